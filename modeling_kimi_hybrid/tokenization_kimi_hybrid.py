@@ -28,7 +28,6 @@ Bundle rules: this is a flat Hub-bundle file; it imports only the standard libra
 from __future__ import annotations
 
 import base64
-import json
 import os
 import shutil
 from typing import Any
@@ -45,6 +44,7 @@ except ImportError:  # pragma: no cover - exercised only without tiktoken
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
+AUTO_MAP_CLASS = "tokenization_kimi_hybrid.KimiHybridTokenizer"
 
 # Pre-tokenizer regex of the Kimi tiktoken tokenizer (identical to Kimi K2). Source: the `pat_str` class attribute
 # of `TikTokenTokenizer` in the Kimi remote code `tokenization_kimi.py` (copy read at troy12x/quasar-kimi
@@ -388,6 +388,12 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
         self.n_ranks = len(ranks)
 
         given = self._normalise_added_tokens(added_tokens_decoder or {})
+        outside = sorted(i for i in given if not self.n_ranks <= i < self.n_ranks + NUM_RESERVED_SPECIAL_TOKENS)
+        if outside:
+            raise ValueError(
+                f"added_tokens_decoder ids {outside[:5]} are outside the special range "
+                f"[{self.n_ranks}, {self.n_ranks + NUM_RESERVED_SPECIAL_TOKENS}) of this tiktoken.model"
+            )
         if chat_format is None:
             offset2 = given.get(self.n_ranks + 2)
             chat_format = "kimi-k3" if offset2 is not None and offset2.content == "<|end_of_msg|>" else "kimi-linear"
@@ -437,6 +443,8 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
             raise ValueError(f"chat_format {chat_format!r} needs special tokens missing from this layout: {markers}")
         if chat_template is None:
             chat_template = CHAT_TEMPLATES[chat_format]
+        # Saved tokenizer_config.json files point AutoTokenizer (trust_remote_code) at this file.
+        kwargs.setdefault("auto_map", {"AutoTokenizer": [AUTO_MAP_CLASS, None]})
 
         super().__init__(
             bos_token=bos_token,
@@ -464,11 +472,6 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
                 raise TypeError(f"added_tokens_decoder[{key!r}] must be AddedToken, str or dict, got {type(value)}")
             out[int(key)] = value
         return out
-
-    def _check_added_ids(self) -> None:
-        for token_id in self._added_tokens_decoder:
-            if not self.n_ranks <= token_id < self.n_ranks + NUM_RESERVED_SPECIAL_TOKENS:
-                raise ValueError(f"added token id {token_id} is outside the special range")
 
     @property
     def vocab_size(self) -> int:
@@ -537,7 +540,9 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
         if bad:
             raise IndexError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         if skip_special_tokens:
+            # every slot flagged special (all but <|open|>/<|close|>/<|sep|> in the K3 layout), not only bos/eos/...
             skip = set(self.all_special_ids)
+            skip.update(i for i, token in self._added_tokens_decoder.items() if token.special)
             ids = [i for i in ids if i not in skip]
         return self._encoding.decode_bytes(ids).decode("utf-8", errors="replace")
 
