@@ -28,6 +28,7 @@ Bundle rules: this is a flat Hub-bundle file; it imports only the standard libra
 from __future__ import annotations
 
 import base64
+import importlib
 import os
 import shutil
 from typing import Any
@@ -585,9 +586,15 @@ def register_tokenizer() -> bool:
     (this file used alone, or before main wires the package) nothing is registered and False is returned; the
     main branch's ``modeling_kimi_hybrid/__init__.py`` is expected to call this. Returns True on registration.
     """
+    # Imported by name rather than with a `from .configuration_kimi_hybrid import` statement: transformers' remote
+    # code loader requires every statically visible relative import to exist next to this file, and a folder that
+    # holds only the tokenizer (models/kimi-hybrid-stdlib + this file) has no configuration file.
+    if not __package__:
+        return False
     try:
-        from .configuration_kimi_hybrid import KimiHybridConfig  # noqa: PLC0415
-    except ImportError:
+        config_module = importlib.import_module(".configuration_kimi_hybrid", __package__)
+        KimiHybridConfig = config_module.KimiHybridConfig
+    except (ImportError, AttributeError):
         return False
     from transformers import AutoTokenizer  # noqa: PLC0415
 

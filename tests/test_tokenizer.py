@@ -9,6 +9,7 @@ docs/k3-spec.md section 8.
 from __future__ import annotations
 
 import base64
+import importlib
 import importlib.util
 import json
 import sys
@@ -508,3 +509,38 @@ def test_tokenized_corpus_if_present(tok):
     first_end = int(np.argmax(ids == tok.eos_token_id))
     first_file = _heldout_files()[0][1].read_text(encoding="utf-8")
     assert tok.decode(ids[:first_end].tolist()) == first_file
+
+
+def test_autotokenizer_remote_code(tmp_path):
+    # A Hub-style folder: the shipped files plus this flat tokenizer file (auto_map points at it).
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    for path in SHIPPED.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    shutil.copy(ROOT / "modeling_kimi_hybrid" / "tokenization_kimi_hybrid.py", tmp_path)
+    t = AutoTokenizer.from_pretrained(str(tmp_path), trust_remote_code=True)
+    assert type(t).__name__ == "KimiHybridTokenizer"
+    assert t.encode("x<|im_end|>")[-1] == 8194 and t.eos_token_id == 8193
+
+
+def test_register_tokenizer_with_config_package(tmp_path, monkeypatch):
+    # Simulate main's package layout: a package with a configuration_kimi_hybrid.KimiHybridConfig beside us.
+    import shutil
+
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    package = tmp_path / "fake_kimi_bundle"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "configuration_kimi_hybrid.py").write_text(
+        "from transformers import PretrainedConfig\n\n"
+        "class KimiHybridConfig(PretrainedConfig):\n    model_type = 'kimi_hybrid_tokenizer_test'\n"
+    )
+    shutil.copy(ROOT / "modeling_kimi_hybrid" / "tokenization_kimi_hybrid.py", package)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("fake_kimi_bundle.tokenization_kimi_hybrid")
+    config_cls = importlib.import_module("fake_kimi_bundle.configuration_kimi_hybrid").KimiHybridConfig
+    assert module.register_tokenizer() is True
+    assert TOKENIZER_MAPPING[config_cls] is module.KimiHybridTokenizer
