@@ -202,12 +202,16 @@ class KimiHybridConfig(PretrainedConfig):
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size / num_attention_heads
+        if float(self.head_dim).is_integer():
+            self.head_dim = int(self.head_dim)
         self.hidden_act = hidden_act
         self.initializer_range = initializer_range
         self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
-        self.rope_scaling = rope_scaling
+        # NoPE: the released config carries rope_theta / rope_scaling (unused). They are kept under other names so
+        # transformers' RoPE validation does not treat this model as rotary; export writes them back.
+        self.released_rope_theta = rope_theta
+        self.released_rope_scaling = rope_scaling
         self.max_position_embeddings = max_position_embeddings
         self.use_cache = use_cache
         self.q_lora_rank = q_lora_rank
@@ -255,11 +259,11 @@ class KimiHybridConfig(PretrainedConfig):
         lac["kda_layers"] = [i + 1 for i, t in enumerate(self.layer_types) if t == LINEAR]
         lac["full_attn_layers"] = [i + 1 for i, t in enumerate(self.layer_types) if t == FULL]
         self.linear_attn_config = lac
+        self.validate_kimi()  # before transformers' own validators, so our errors name the field
         super().__init__(
             bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
             tie_word_embeddings=tie_word_embeddings, **kwargs,
         )
-        self.validate_kimi()
 
     # -- derived views -------------------------------------------------------------------------------------------
     @property
@@ -325,6 +329,10 @@ class KimiHybridConfig(PretrainedConfig):
     def validate_kimi(self) -> None:
         """Check the layer plan, head dims and function names; raise ValueError naming the field."""
         n = self.num_hidden_layers
+        if self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(
+                f"head_dim={self.head_dim} x num_attention_heads={self.num_attention_heads} != hidden_size="
+                f"{self.hidden_size} (the released config stores head_dim = hidden_size / num_attention_heads)")
         if len(self.layer_types) != n:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {n}")
         bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
@@ -400,11 +408,9 @@ class KimiHybridConfig(PretrainedConfig):
             d = d["text_config"]
         for k in ("architectures", "auto_map", "transformers_version", "quantization_config", "model_type"):
             d.pop(k, None)
-        dtype = d.pop("dtype", None) or d.pop("torch_dtype", None)
-        cfg = cls(**d)
-        if dtype is not None:
-            cfg.torch_dtype = dtype
-        return cfg
+        if "torch_dtype" in d and "dtype" not in d:
+            d["dtype"] = d.pop("torch_dtype")
+        return cls(**d)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -424,10 +430,12 @@ class KimiHybridConfig(PretrainedConfig):
         """The released Kimi-Linear ``config.json`` form (model_type "kimi_linear", 1-based lists, ``dtype``)."""
         d = self.to_dict()
         for k in ("layer_types", "mlp_layer_types", "mla_absorb_max_q_len", "kda_record_max_tokens",
-                  "auto_map", "architectures", "transformers_version", "torch_dtype"):
+                  "auto_map", "architectures", "transformers_version", "torch_dtype", "dtype"):
             d.pop(k, None)
         d["model_type"] = "kimi_linear"
+        d["rope_theta"] = d.pop("released_rope_theta", 10000.0)
+        d["rope_scaling"] = d.pop("released_rope_scaling", None)
         d["architectures"] = ["KimiLinearForCausalLM"]
         d["model_max_length"] = d.pop("max_position_embeddings")
-        d["dtype"] = str(getattr(self, "torch_dtype", None) or "bfloat16").replace("torch.", "")
+        d["dtype"] = str(getattr(self, "dtype", None) or "bfloat16").replace("torch.", "")
         return d
