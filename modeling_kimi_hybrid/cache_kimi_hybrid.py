@@ -1,0 +1,584 @@
+# coding=utf-8
+"""``KimiHybridCache``: the hybrid decoding cache of Kimi-Linear / Kimi K3.
+
+* KDA layers (``linear_attention``) hold a fixed-size state whatever the context length: the short-conv window of
+  the last ``W-1`` pre-conv q|k|v inputs, ``[B, 3*H*K, W-1]`` in the model dtype, and the delta-rule recurrent state
+  ``[B, H, K, V]`` in float32.
+* MLA layers (``full_attention``) hold only the compressed latent of each token: the RMS-normalised ``c_kv``
+  (``kv_lora_rank``) concatenated with the shared ``k_pe`` (``qk_rope_head_dim``), ``[B, T, kv_lora_rank + rope]``
+  (576 values per token for Kimi-Linear), never per-head K/V.
+
+The sequence length comes from a position counter (``seen_tokens``), never from layer 0 (often a KDA layer).
+
+Modes: dynamic (latents grow by concatenation) and static (``max_cache_len`` given: every buffer pre-allocated and
+updated in place at positions held in a device tensor, so a decode step can be compiled / CUDA-graph captured).
+
+Rollback for assisted / speculative decoding (``crop``): a recurrent state cannot be un-applied, so while
+``activate_past_recording()`` is on, each KDA layer keeps, for the last forward call, the state and conv window at
+an anchor position plus the step's (post-conv) k, v, decay, beta and pre-conv inputs of at most
+``config.kda_record_max_tokens`` tokens after the anchor. ``crop`` to a length inside that window re-runs the
+recurrence from the anchor over the kept tokens. Memory: one state copy + ``R * (6 P + H)`` values per layer and row
+(R = recorded tokens, P = H*K); cost: one recurrence over at most R tokens per KDA layer.
+
+Agent sessions: ``snapshot`` / ``restore`` / ``fork``, ``save`` / ``load`` (safetensors, versioned, sha256 checksum,
+config fingerprint), and ``memory_report`` (bytes per layer type, byte-exact against the tensors held).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+from transformers.cache_utils import Cache
+
+try:  # relative import inside the package / Hub bundle
+    from .kda_kimi_hybrid import recurrent_kda_ref
+except ImportError:  # pragma: no cover
+    from kda_kimi_hybrid import recurrent_kda_ref  # type: ignore
+
+CACHE_FORMAT = "kimi-hybrid-cache"
+CACHE_FORMAT_VERSION = 1
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+
+def config_fingerprint(config) -> Dict[str, Any]:
+    """The config fields a cache depends on (layer plan and every cached tensor's width)."""
+    return {
+        "layer_types": list(config.layer_types),
+        "linear_num_heads": int(config.linear_attn_config["num_heads"]),
+        "linear_head_dim": int(config.linear_attn_config["head_dim"]),
+        "short_conv_kernel_size": int(config.linear_attn_config["short_conv_kernel_size"]),
+        "kv_lora_rank": int(config.kv_lora_rank),
+        "qk_rope_head_dim": int(config.qk_rope_head_dim),
+    }
+
+
+class KDALayerCache:
+    """Cache of one KDA layer: ``conv_state [B, C, W-1]`` (C = 3*H*K, model dtype) and ``recurrent_state
+    [B, H, K, V]`` (float32). ``None`` until the first forward. ``record`` holds the rollback anchor (see module doc).
+    """
+
+    layer_type = LINEAR
+
+    def __init__(self):
+        self.conv_state: Optional[torch.Tensor] = None
+        self.recurrent_state: Optional[torch.Tensor] = None
+        self.record: Optional[Dict[str, Any]] = None
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        out = {}
+        if self.conv_state is not None:
+            out["conv_state"] = self.conv_state
+        if self.recurrent_state is not None:
+            out["recurrent_state"] = self.recurrent_state
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def record_nbytes(self) -> int:
+        if not self.record:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.record.values() if isinstance(t, torch.Tensor))
+
+
+class MLALayerCache:
+    """Cache of one MLA layer: ``latent [B, T, kv_lora_rank + rope]`` (normalised c_kv | k_pe), model dtype.
+    In static mode ``latent`` is ``[B, max_cache_len, ...]`` and only the first ``seen_tokens`` rows are valid."""
+
+    layer_type = FULL
+
+    def __init__(self):
+        self.latent: Optional[torch.Tensor] = None
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {} if self.latent is None else {"latent": self.latent}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+class KimiHybridCache(Cache):
+    """Hybrid cache for :class:`KimiHybridForCausalLM` (a ``transformers`` ``Cache``).
+
+    Args:
+        config: a ``KimiHybridConfig`` (its ``layer_types`` decide the per-layer cache class).
+        max_cache_len: None for a dynamic cache; an int for the static / pre-allocated mode (CUDA graphs,
+            ``torch.compile``), where ``batch_size`` is fixed by the first forward (or given here).
+        batch_size, dtype, device: optional eager allocation of the static buffers.
+
+    Per-layer state: ``cache.layers[i]`` is a :class:`KDALayerCache` or :class:`MLALayerCache`.
+    The key-padding mask of every token seen so far is kept in ``key_mask [B, T]`` (bool) so that a later forward
+    without an ``attention_mask`` still ignores earlier padding.
+    """
+
+    def __init__(self, config, max_cache_len: Optional[int] = None, batch_size: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None):
+        # we manage our own layers; Cache.__init__ would insist on transformers' layer classes
+        self.config = config
+        self.layer_types = list(config.layer_types)
+        self.layers: List[Any] = [KDALayerCache() if t == LINEAR else MLALayerCache() for t in self.layer_types]
+        self.fingerprint = config_fingerprint(config)
+        self.max_cache_len = max_cache_len
+        self.static = max_cache_len is not None
+        self.seen_tokens = 0
+        self._pos: Optional[torch.Tensor] = None  # static mode: device counter
+        self.key_mask: Optional[torch.Tensor] = None
+        self.recording = False
+        self.offloading = False
+        self.layer_class_to_replicate = None
+        if self.static and batch_size is not None:
+            self._allocate_static(batch_size, dtype or torch.get_default_dtype(), device or torch.device("cpu"))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # allocation
+    # ------------------------------------------------------------------------------------------------------------
+    def _dims(self):
+        c = self.config
+        H, K = int(c.linear_attn_config["num_heads"]), int(c.linear_attn_config["head_dim"])
+        W = int(c.linear_attn_config["short_conv_kernel_size"])
+        return H, K, W, c.kv_lora_rank + c.qk_rope_head_dim
+
+    def _allocate_static(self, batch_size: int, dtype: torch.dtype, device) -> None:
+        H, K, W, Dl = self._dims()
+        for layer in self.layers:
+            if isinstance(layer, KDALayerCache):
+                layer.conv_state = torch.zeros(batch_size, 3 * H * K, W - 1, dtype=dtype, device=device)
+                layer.recurrent_state = torch.zeros(batch_size, H, K, K, dtype=torch.float32, device=device)
+            else:
+                layer.latent = torch.zeros(batch_size, self.max_cache_len, Dl, dtype=dtype, device=device)
+        self.key_mask = torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool, device=device)
+        self._pos = torch.zeros((), dtype=torch.long, device=device)
+        self._static_ready = True
+
+    def ensure_allocated(self, batch_size: int, dtype: torch.dtype, device) -> None:
+        """Static mode: allocate the buffers at the first forward. Raises on a batch-size mismatch."""
+        if not self.static:
+            return
+        if getattr(self, "_static_ready", False):
+            if self.key_mask.shape[0] != batch_size:
+                raise ValueError(
+                    f"this static cache holds batch {self.key_mask.shape[0]} but the input has batch {batch_size}")
+            return
+        self._allocate_static(batch_size, dtype, device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # transformers Cache API
+    # ------------------------------------------------------------------------------------------------------------
+    def __len__(self):
+        return len(self.layers)
+
+    def __repr__(self):
+        mode = f"static(max_cache_len={self.max_cache_len})" if self.static else "dynamic"
+        return (f"KimiHybridCache({mode}, seen_tokens={self.get_seq_length()}, "
+                f"kda_layers={self.layer_types.count(LINEAR)}, mla_layers={self.layer_types.count(FULL)})")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen so far (a position counter, the same for every layer)."""
+        return int(self.seen_tokens)
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1 if not self.static else int(self.max_cache_len)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        if self.static:
+            return int(self.max_cache_len), 0
+        return self.get_seq_length() + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length()
+
+    def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:
+        return self.seen_tokens > 0
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        return None if self.key_mask is None else self.key_mask.shape[0]
+
+    @property
+    def is_compileable(self) -> bool:
+        """Only the static mode has fixed shapes and addresses (torch.compile / CUDA graphs)."""
+        return bool(self.static)
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.seen_tokens > 0
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.recording
+
+    @property
+    def is_sliding(self):
+        return [False] * len(self.layers)
+
+    @property
+    def is_linear(self):
+        return [t == LINEAR for t in self.layer_types]
+
+    @property
+    def is_dummy(self):
+        return [False] * len(self.layers)
+
+    def activate_past_recording(self) -> None:
+        """Keep what ``crop`` needs to roll the KDA states back inside the latest forward call (assisted decoding)."""
+        self.recording = True
+
+    def is_recording_past(self, layer_idx: int = 0) -> bool:
+        return self.recording
+
+    def update(self, *args, **kwargs):
+        raise NotImplementedError(
+            "KimiHybridCache is written by the KimiHybrid layers themselves (update_latent / KDA states); it does not "
+            "take per-head key/value tensors")
+
+    # -- used by the layers --------------------------------------------------------------------------------------
+    def mla_update(self, layer_idx: int, new_latent: torch.Tensor) -> torch.Tensor:
+        """Append ``new_latent [B, T, Dl]`` to MLA layer ``layer_idx``; return every cached latent ``[B, T_all, Dl]``
+        (static mode: the whole ``[B, max_cache_len, Dl]`` buffer; rows past the length are masked by the model)."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, MLALayerCache):
+            raise ValueError(f"layer {layer_idx} is a {self.layer_types[layer_idx]} layer, not MLA")
+        if self.static:
+            T = new_latent.shape[1]
+            idx = self._pos + torch.arange(T, device=new_latent.device)
+            layer.latent.index_copy_(1, idx, new_latent.to(layer.latent.dtype))
+            return layer.latent
+        if layer.latent is None:
+            layer.latent = new_latent
+        else:
+            if layer.latent.shape[0] != new_latent.shape[0]:
+                raise ValueError(
+                    f"cache batch size {layer.latent.shape[0]} does not match the input batch {new_latent.shape[0]}")
+            layer.latent = torch.cat([layer.latent, new_latent.to(layer.latent.dtype)], dim=1)
+        return layer.latent
+
+    def update_key_mask(self, new_mask: torch.Tensor) -> torch.Tensor:
+        """Record the key-padding mask ``[B, T]`` of the current tokens; return the mask of all keys."""
+        new_mask = new_mask.bool()
+        if self.static:
+            T = new_mask.shape[1]
+            idx = self._pos + torch.arange(T, device=new_mask.device)
+            self.key_mask.index_copy_(1, idx, new_mask)
+            return self.key_mask
+        if self.key_mask is None or self.seen_tokens == 0:
+            self.key_mask = new_mask
+        else:
+            if self.key_mask.shape[0] != new_mask.shape[0]:
+                raise ValueError(
+                    f"cache batch size {self.key_mask.shape[0]} does not match the input batch {new_mask.shape[0]}")
+            self.key_mask = torch.cat([self.key_mask, new_mask], dim=1)
+        return self.key_mask
+
+    def advance(self, num_tokens: int) -> None:
+        """Move the position counter after every layer has seen ``num_tokens`` new tokens."""
+        self.seen_tokens += int(num_tokens)
+        if self.static:
+            self._pos.add_(num_tokens)
+
+    # -- batch reshaping (beam search, sampling with num_return_sequences, agent forks) -------------------------
+    def _map_tensors(self, fn) -> None:
+        for layer in self.layers:
+            if isinstance(layer, KDALayerCache):
+                if layer.conv_state is not None:
+                    layer.conv_state = fn(layer.conv_state)
+                if layer.recurrent_state is not None:
+                    layer.recurrent_state = fn(layer.recurrent_state)
+                layer.record = None
+            elif layer.latent is not None:
+                layer.latent = fn(layer.latent)
+        if self.key_mask is not None:
+            self.key_mask = fn(self.key_mask)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: select rows ``beam_idx`` of every KDA conv/recurrent state and MLA latent."""
+        if self.static:
+            for layer in self.layers:
+                for t in layer.tensors().values():
+                    t.copy_(t.index_select(0, beam_idx.to(t.device)))
+                if isinstance(layer, KDALayerCache):
+                    layer.record = None
+            self.key_mask.copy_(self.key_mask.index_select(0, beam_idx.to(self.key_mask.device)))
+            return
+        self._map_tensors(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (row order b0,b0,...,b1,b1,...)."""
+        if self.static:
+            raise NotImplementedError("batch_repeat_interleave changes the batch size; use a dynamic cache or fork()")
+        self._map_tensors(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices``."""
+        if self.static:
+            raise NotImplementedError("batch_select_indices changes the batch size; use a dynamic cache")
+        self._map_tensors(lambda t: t[indices.to(t.device)])
+
+    def reset(self) -> None:
+        """Forget every token (static buffers are zeroed in place)."""
+        if self.static and getattr(self, "_static_ready", False):
+            for layer in self.layers:
+                for t in layer.tensors().values():
+                    t.zero_()
+                if isinstance(layer, KDALayerCache):
+                    layer.record = None
+            self.key_mask.zero_()
+            self._pos.zero_()
+        else:
+            for i, t in enumerate(self.layer_types):
+                self.layers[i] = KDALayerCache() if t == LINEAR else MLALayerCache()
+            self.key_mask = None
+        self.seen_tokens = 0
+
+    # -- rollback -------------------------------------------------------------------------------------------------
+    def crop(self, max_length: int) -> None:
+        """Roll the cache back. A negative value removes that many tokens (transformers >= 5.20 semantics used by
+        assisted decoding); a non-negative value keeps the first ``max_length`` tokens.
+
+        MLA latents are sliced. KDA states are recomputed from the recording anchor of the last forward call, so the
+        target must lie inside it (``activate_past_recording()`` must be on).
+
+        Raises:
+            ValueError: target below 0 or above the current length, or before the recorded window of a KDA layer.
+        """
+        cur = self.seen_tokens
+        target = cur + max_length if max_length < 0 else max_length
+        if target > cur:
+            return  # nothing to remove (transformers' convention)
+        if target < 0:
+            raise ValueError(f"cannot crop {-max_length} tokens from a cache holding {cur}")
+        if target == cur:
+            return
+        # KDA layers first (they may refuse)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KDALayerCache):
+                rec = layer.record
+                if rec is None or not (rec["anchor"] <= target <= rec["end"]):
+                    window = None if rec is None else (rec["anchor"], rec["end"])
+                    raise ValueError(
+                        f"cannot crop KDA layer {i} to {target} tokens: a recurrent state can only be rolled back "
+                        f"inside the recorded window {window} of the last forward call (call "
+                        f"activate_past_recording() before it, keep steps <= kda_record_max_tokens="
+                        f"{self.config.kda_record_max_tokens}, or use snapshot()/restore() for longer rollbacks)")
+        for layer in self.layers:
+            if isinstance(layer, KDALayerCache):
+                self._rollback_kda(layer, target)
+            elif layer.latent is not None and not self.static:
+                layer.latent = layer.latent[:, :target]
+        if self.key_mask is not None and not self.static:
+            self.key_mask = self.key_mask[:, :target]
+        if self.static:
+            self._pos.fill_(target)
+            self.key_mask[:, target:] = False
+        self.seen_tokens = target
+
+    def _rollback_kda(self, layer: KDALayerCache, target: int) -> None:
+        rec = layer.record
+        m = target - rec["anchor"]
+        S = rec["state"]
+        window = rec["window"]
+        if m > 0:
+            W1 = window.shape[-1]
+            _, S = recurrent_kda_ref(rec["q"][:, :m], rec["k"][:, :m], rec["v"][:, :m], rec["g"][:, :m],
+                                     rec["beta"][:, :m], initial_state=S, output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+            x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)
+            window = x[..., x.shape[-1] - W1:]
+        if self.static:
+            layer.conv_state.copy_(window)
+            layer.recurrent_state.copy_(S)
+        else:
+            layer.conv_state = window.clone()
+            layer.recurrent_state = S.clone()
+        layer.record = None
+
+    # -- agent sessions ------------------------------------------------------------------------------------------
+    def snapshot(self) -> "KimiHybridCache":
+        """A detached deep copy of the cache (rollback records dropped)."""
+        new = KimiHybridCache.__new__(KimiHybridCache)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("layers", "key_mask", "_pos")})
+        new.layers = []
+        for layer in self.layers:
+            c = KDALayerCache() if isinstance(layer, KDALayerCache) else MLALayerCache()
+            for name, t in layer.tensors().items():
+                setattr(c, name, t.detach().clone())
+            new.layers.append(c)
+        new.key_mask = None if self.key_mask is None else self.key_mask.clone()
+        new._pos = None if self._pos is None else self._pos.clone()
+        new.config = self.config
+        new.fingerprint = copy.deepcopy(self.fingerprint)
+        return new
+
+    fork = snapshot
+
+    def restore(self, snap: "KimiHybridCache") -> None:
+        """Make this cache equal to ``snap`` (a :meth:`snapshot` of a cache of the same model and batch size).
+
+        Raises:
+            ValueError: the snapshot comes from another model or holds another batch size.
+        """
+        if not isinstance(snap, KimiHybridCache):
+            raise TypeError(f"restore() takes a KimiHybridCache snapshot, got {type(snap).__name__}")
+        if snap.fingerprint != self.fingerprint:
+            raise ValueError("this snapshot was taken from a model with another layer plan / cache widths: "
+                             f"{_diff(snap.fingerprint, self.fingerprint)}")
+        if self.batch_size is not None and snap.batch_size is not None and snap.batch_size != self.batch_size:
+            raise ValueError(f"snapshot holds batch {snap.batch_size} but this cache holds batch {self.batch_size}")
+        if self.static and getattr(self, "_static_ready", False):
+            if not snap.static or snap.max_cache_len != self.max_cache_len:
+                raise ValueError("a static cache can only restore a snapshot of a static cache of the same size")
+            for a, b in zip(self.layers, snap.layers):
+                for name, t in a.tensors().items():
+                    t.copy_(getattr(b, name))
+            self.key_mask.copy_(snap.key_mask)
+            self._pos.copy_(snap._pos)
+            self.seen_tokens = snap.seen_tokens
+            return
+        other = snap.snapshot()
+        self.layers = other.layers
+        self.key_mask = other.key_mask
+        self._pos = other._pos
+        self.seen_tokens = other.seen_tokens
+        self.static = other.static
+        self.max_cache_len = other.max_cache_len
+        if self.static:
+            self._static_ready = True
+
+    def save(self, path: str) -> None:
+        """Save to a safetensors file (format ``kimi-hybrid-cache`` v1): tensors, the config fingerprint, the length
+        and a sha256 over every tensor's bytes. Written atomically (temporary file, then rename)."""
+        from safetensors.torch import save_file
+
+        tensors: Dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            for name, t in layer.tensors().items():
+                tensors[f"layers.{i}.{name}"] = t.detach().contiguous().cpu()
+        if self.key_mask is not None:
+            tensors["key_mask"] = self.key_mask.detach().to(torch.uint8).contiguous().cpu()
+        meta = {
+            "format": CACHE_FORMAT,
+            "version": str(CACHE_FORMAT_VERSION),
+            "fingerprint": json.dumps(self.fingerprint, sort_keys=True),
+            "seen_tokens": str(self.seen_tokens),
+            "static": json.dumps(self.max_cache_len),
+            "sha256": _checksum(tensors),
+        }
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, config, device=None) -> "KimiHybridCache":
+        """Load a cache saved by :meth:`save` for a model with ``config``.
+
+        Raises:
+            ValueError: not a kimi-hybrid cache file, unknown version, checksum mismatch (corrupt file), or a cache
+                of a model whose layer plan / widths differ from ``config`` (the differing fields are named).
+        """
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != CACHE_FORMAT:
+                raise ValueError(f"{path} is not a kimi-hybrid cache file (metadata format={meta.get('format')!r})")
+            if meta.get("version") != str(CACHE_FORMAT_VERSION):
+                raise ValueError(f"{path} has cache format version {meta.get('version')}; this code reads version "
+                                 f"{CACHE_FORMAT_VERSION}")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if _checksum(tensors) != meta.get("sha256"):
+            raise ValueError(f"{path}: checksum mismatch, the file is corrupt")
+        fp = json.loads(meta["fingerprint"])
+        want = config_fingerprint(config)
+        if fp != want:
+            raise ValueError(f"{path} was saved from a model whose config does not match this one: {_diff(fp, want)}")
+        max_len = json.loads(meta.get("static", "null"))
+        cache = cls(config, max_cache_len=max_len)
+        for key, t in tensors.items():
+            if key == "key_mask":
+                cache.key_mask = t.bool()
+                continue
+            _, i, name = key.split(".", 2)
+            setattr(cache.layers[int(i)], name, t)
+        cache.seen_tokens = int(meta["seen_tokens"])
+        if cache.static:
+            cache._pos = torch.tensor(cache.seen_tokens, dtype=torch.long)
+            cache._static_ready = True
+        if device is not None:
+            cache.to(device)
+        return cache
+
+    def to(self, device) -> "KimiHybridCache":
+        """Move every held tensor to ``device`` (in place); returns self."""
+        for layer in self.layers:
+            for name, t in layer.tensors().items():
+                setattr(layer, name, t.to(device))
+            if isinstance(layer, KDALayerCache):
+                layer.record = None
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.to(device)
+        if self._pos is not None:
+            self._pos = self._pos.to(device)
+        return self
+
+    # -- memory ----------------------------------------------------------------------------------------------------
+    def memory_report(self) -> Dict[str, Any]:
+        """Bytes held, per layer type and in total, summed from the tensors actually held (byte-exact).
+
+        Returns a dict: ``kda_bytes`` (conv windows + fp32 recurrent states), ``mla_bytes`` (latents),
+        ``mask_bytes`` (key-padding mask), ``rollback_bytes`` (assisted-decoding records), ``total_bytes``,
+        ``seen_tokens``, ``per_layer`` (list of (layer_type, bytes)), and the formula values
+        ``mla_bytes_per_token`` and ``kda_bytes_constant`` for the current batch size and dtypes.
+        """
+        per_layer = []
+        kda = mla = rec = 0
+        for t, layer in zip(self.layer_types, self.layers):
+            b = layer.nbytes()
+            per_layer.append((t, b))
+            if t == LINEAR:
+                kda += b
+                rec += layer.record_nbytes()
+            else:
+                mla += b
+        mask = 0 if self.key_mask is None else self.key_mask.numel() * self.key_mask.element_size()
+        B = self.batch_size or 0
+        H, K, W, Dl = self._dims()
+        lat_dtype = next((l.latent.element_size() for l in self.layers
+                          if isinstance(l, MLALayerCache) and l.latent is not None), 0)
+        conv_dtype = next((l.conv_state.element_size() for l in self.layers
+                           if isinstance(l, KDALayerCache) and l.conv_state is not None), 0)
+        n_mla, n_kda = self.layer_types.count(FULL), self.layer_types.count(LINEAR)
+        return {
+            "seen_tokens": self.seen_tokens,
+            "batch_size": B,
+            "kda_bytes": kda,
+            "mla_bytes": mla,
+            "mask_bytes": mask,
+            "rollback_bytes": rec,
+            "total_bytes": kda + mla + mask + rec,
+            "mla_bytes_per_token": B * n_mla * Dl * lat_dtype,
+            "kda_bytes_constant": B * n_kda * (3 * H * K * (W - 1) * conv_dtype + H * K * K * 4),
+            "per_layer": per_layer,
+        }
+
+
+def _checksum(tensors: Dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k]
+        h.update(k.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _diff(a: Dict[str, Any], b: Dict[str, Any]) -> str:
+    keys = sorted(set(a) | set(b))
+    parts = [f"{k}: cache has {a.get(k)!r}, model has {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+    return "; ".join(parts) or "(no difference)"
