@@ -218,7 +218,9 @@ def ours_config_to_released(ours: dict, template: dict | None = None) -> dict:
     released Kimi-Linear format cannot express.
     """
     k3 = [k for k in ("mla_use_output_gate", "latent_moe_use_norm", "use_full_rank_gate") if ours.get(k)]
-    k3 += [k for k in ("routed_expert_hidden_size", "gate_lower_bound", "activation_situ_beta") if ours.get(k) is not None]
+    k3 += [k for k in ("routed_expert_hidden_size", "gate_lower_bound") if ours.get(k) is not None]
+    if ours.get("hidden_act", "silu") != "silu":
+        k3.append(f"hidden_act={ours['hidden_act']!r}")
     if ours.get("attn_res_block_size"):
         k3.append("attn_res_block_size")
     if k3:
@@ -297,6 +299,10 @@ def to_ours(cfg: dict, fmt: str) -> dict:
         for k, v in OUR_K3_DEFAULTS.items():
             ours.setdefault(k, v)
         lac = ours.get("linear_attn_config") or {}
+        ours["gate_lower_bound"] = lac.get("gate_lower_bound")
+        ours["use_full_rank_gate"] = bool(lac.get("use_full_rank_gate", False))
+        if not ours.get("dtype"):
+            ours["dtype"] = ours.get("torch_dtype") or "bfloat16"
         ours.setdefault("linear_head_dim", lac.get("head_dim"))
         ours.setdefault("linear_num_heads", lac.get("num_heads"))
         ours.setdefault("linear_conv_kernel_size", lac.get("short_conv_kernel_size", 4))

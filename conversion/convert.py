@@ -39,6 +39,7 @@ import torch
 from . import config_io
 from .binding import Bound, CheckpointError, bind, check_coverage, piece_values
 from .layouts import Plan, detect_variant, plan_for
+from .model_glue import bundle_dir  # noqa: F401  (re-exported)
 from .safetensors_io import (
     FileHeader,
     PlannedTensor,
@@ -250,16 +251,6 @@ def plan_output_shards(bound: Bound, order_key, max_shard: int, prefix: str = "m
 # ---------------------------------------------------------------------------------------------------------------
 # config, bundle, tokenizer
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def bundle_dir() -> str | None:
-    """Folder of the model bundle (modeling_kimi_hybrid/): the one beside this package in a source checkout, else
-    the installed `kimi_hybrid` package (pip install maps modeling_kimi_hybrid/ to kimi_hybrid/)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(os.path.dirname(here), "modeling_kimi_hybrid"), os.path.dirname(here)):
-        if os.path.isfile(os.path.join(d, "configuration_kimi_hybrid.py")):
-            return d
-    return None
 
 
 def write_our_config(tmp: str, ours: dict, with_bundle: bool) -> list[str]:
