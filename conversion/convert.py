@@ -31,6 +31,7 @@ import shutil
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -371,7 +372,7 @@ def convert_checkpoint(
     src_hash: dict[str, str | None] = {}
     peak_buffer = 0
     read_bytes_total = 0
-    with atomic_output(out_dir, overwrite) as tmp:
+    with atomic_output(out_dir, overwrite) as tmp, ThreadPoolExecutor(max_workers=1) as pool:
         writers: dict[str, PreallocatedShard] = {}
         try:
             for f, ks in layout.items():
@@ -380,7 +381,12 @@ def convert_checkpoint(
                     [PlannedTensor(k, bound.dst_dtype[k], plan.dests[k].shape) for k in ks],
                     {"format": "pt"},
                 )
-            scratch = bytearray(chunk_bytes)
+            # two scratch buffers: chunk i is hashed on a worker thread (hashlib releases the GIL) while the main
+            # thread pwrite()s it and reads chunk i+1 into the other buffer; a buffer is reused only after its hash
+            # finished. Hash updates of one tensor run in order (single worker).
+            scratch = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
+            pending = [None, None]
+            slot = 0
             loaded: dict[str, torch.Tensor] = {}
             loaded_bytes = 0
             remaining = {k: len(v) for k, v in uses.items()}
@@ -401,14 +407,21 @@ def convert_checkpoint(
                         if streamable:
                             for cb in range(0, info.nbytes, chunk_bytes):
                                 ce = min(info.nbytes, cb + chunk_bytes)
-                                buf = read_bytes(fh, info.begin + cb, ce - cb, scratch)
-                                hasher.update(buf)
+                                if pending[slot] is not None:
+                                    pending[slot].result()
+                                buf = read_bytes(fh, info.begin + cb, ce - cb, scratch[slot])
+                                pending[slot] = pool.submit(hasher.update, buf)
+                                slot ^= 1
                                 for dk, pc in my_uses:
                                     pb, pe = pc.src_el * isz, (pc.src_el + pc.numel) * isz
                                     lo, hi = max(pb, cb), min(pe, ce)
                                     if lo < hi:
                                         writers[dst_file[dk]].write(dk, pc.dst_el * isz + (lo - pb), buf[lo - cb: hi - cb])
-                            peak_buffer = max(peak_buffer, min(chunk_bytes, info.nbytes) + loaded_bytes)
+                            for p in pending:
+                                if p is not None:
+                                    p.result()
+                            pending = [None, None]
+                            peak_buffer = max(peak_buffer, 2 * min(chunk_bytes, info.nbytes) + loaded_bytes)
                             if bar:
                                 bar.update(info.nbytes)
                             read_bytes_total += info.nbytes
@@ -463,9 +476,16 @@ def convert_checkpoint(
                                         f"{bound.dst_dtype[k]} {list(plan.dests[k].shape)}")
                     hasher = new_hasher(checksum if verify else "none")
                     if verify and checksum != "none":
-                        for cb in range(0, info.nbytes, chunk_bytes):
+                        for j, cb in enumerate(range(0, info.nbytes, chunk_bytes)):
+                            if pending[j % 2] is not None:
+                                pending[j % 2].result()
                             ce = min(info.nbytes, cb + chunk_bytes)
-                            hasher.update(read_bytes(fh, info.begin + cb, ce - cb, scratch))
+                            pending[j % 2] = pool.submit(hasher.update,
+                                                         read_bytes(fh, info.begin + cb, ce - cb, scratch[j % 2]))
+                        for p in pending:
+                            if p is not None:
+                                p.result()
+                        pending = [None, None]
                     dst_report[k] = {
                         "file": f, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes,
                         checksum: hasher.hexdigest(),

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -53,6 +54,28 @@ def model_package():
     return importlib.import_module(name)
 
 
+def config_class():
+    """KimiHybridConfig loaded from the bundle's configuration file alone (it imports only transformers'
+    PretrainedConfig), so converting does not pay for importing the model code. None without the bundle."""
+    global _CONFIG_CLASS
+    if _CONFIG_CLASS is None:
+        d = bundle_dir()
+        if d is None:
+            return None
+        name = os.path.basename(d)
+        mod = sys.modules.get(f"{name}.configuration_kimi_hybrid")
+        if mod is None:
+            spec = importlib.util.spec_from_file_location("_kimi_hybrid_configuration",
+                                                          os.path.join(d, "configuration_kimi_hybrid.py"))
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        _CONFIG_CLASS = mod.KimiHybridConfig
+    return _CONFIG_CLASS
+
+
+_CONFIG_CLASS = None
+
+
 def bundle_files(d: str) -> list[str]:
     return sorted(f for f in os.listdir(d) if f.endswith(".py") and f != "__init__.py")
 
@@ -60,14 +83,14 @@ def bundle_files(d: str) -> list[str]:
 def to_model_config(ours: dict):
     """Our config dict -> KimiHybridConfig (None without the bundle). Raises ValueError if the model's reading of
     the config disagrees with the converter's (layer plan, MLP plan, KDA dims)."""
-    pkg = model_package()
-    if pkg is None:
+    cls = config_class()
+    if cls is None:
         return None
     kw = {k: v for k, v in ours.items() if k not in _MIRRORS}
     for k in ("activation_situ_beta", "activation_situ_linear_beta", "rope_scaling"):
         if kw.get(k) is None:
             kw.pop(k, None)
-    cfg = pkg.KimiHybridConfig(**kw)
+    cfg = cls(**kw)
     cfg.dtype = ours.get("dtype") or "bfloat16"
     cfg.architectures = ["KimiHybridForCausalLM"]
     diffs = []

@@ -60,7 +60,7 @@ def test_peak_memory_does_not_scale_with_shards(tmp_path):
     b = _measure(tmp_path, 8)
     assert a["shards"] == 2 and b["shards"] == 8
     assert b["total"] > 3.5 * a["total"]
-    assert a["peak_buffer"] == b["peak_buffer"] <= 4 << 20
+    assert a["peak_buffer"] == b["peak_buffer"] <= 2 * (4 << 20)  # two streaming buffers
     grow_mb = (b["maxrss_kb"] - a["maxrss_kb"]) / 1024
     data_grow_mb = (b["total"] - a["total"]) / 2**20
     print(f"peak RSS 2 shards {a['maxrss_kb'] / 1024:.1f} MiB, 8 shards {b['maxrss_kb'] / 1024:.1f} MiB "
