@@ -177,12 +177,14 @@ class PlannedTensor:
 
 class PreallocatedShard:
     """An output safetensors file whose header is written first; tensor bytes are then written with `pwrite` at
-    their planned offsets, in any order. Tensors are ordered by decreasing itemsize then name, so every tensor
+    their planned offsets, in any order. Tensors are ordered by decreasing itemsize (then in the given order), so every tensor
     starts at an offset aligned to its itemsize (the header is padded with spaces to a multiple of 8)."""
 
     def __init__(self, path: str, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
         self.path = path
-        order = sorted(tensors, key=lambda t: (-itemsize(t.dtype), t.name))
+        # stable: keep the caller's order (the order in which the converter completes them, so writes are mostly
+        # sequential) inside each itemsize class
+        order = sorted(tensors, key=lambda t: -itemsize(t.dtype))
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         pos = 0
         self.offsets: dict[str, tuple[int, int]] = {}
