@@ -186,3 +186,24 @@ def test_converted_folder_loads_with_trust_remote_code_in_a_clean_process(tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     diff = float(r.stdout.split("DIFF")[-1])
     assert diff <= TOL
+
+
+@pytest.mark.skipif(model_package() is None, reason="model bundle (modeling_kimi_hybrid) not available")
+def test_export_of_a_model_saved_by_save_pretrained(tmp_path):
+    """The fine-tune path: released -> ours -> KimiHybridForCausalLM.save_pretrained -> export -> released, bit-exact
+    (fp32 weights so the model's load/save does not cast)."""
+    pkg = model_package()
+    cfg, m = _native_model(seed=3)
+    rel_sd = _released_from_native(m.state_dict(), cfg)
+    write_checkpoint(str(tmp_path / "released"), _released_config(cfg), rel_sd, 2)
+    convert_checkpoint(str(tmp_path / "released"), str(tmp_path / "ours"), progress=False)
+    model = pkg.KimiHybridForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32)
+    model.save_pretrained(str(tmp_path / "saved"))
+    convert_checkpoint(str(tmp_path / "saved"), str(tmp_path / "export"), src_format="ours", dst_format="released",
+                       progress=False)
+    back = read_all(str(tmp_path / "export"))
+    assert set(back) == set(rel_sd)
+    bad = [k for k in rel_sd if not same_bytes(back[k], rel_sd[k].contiguous())]
+    assert not bad, bad
+    conf = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert conf["model_type"] == "kimi_linear" and conf["linear_attn_config"]["kda_layers"] == [1, 2, 4]
