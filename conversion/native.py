@@ -21,6 +21,10 @@ _CONV = re.compile(r"^(model\.layers\.\d+\.self_attn\.)conv1d\.weight$")
 def native_state_dict_to_ours(sd: Dict[str, torch.Tensor], config=None) -> Dict[str, torch.Tensor]:
     """Map a ``KimiLinearForCausalLM.state_dict()`` to our key names and shapes.
 
+    With a ``config`` (the native ``KimiLinearConfig`` or its dict) this is the strict, plan-based converter of
+    ``conversion.state_dict`` (refuses unknown / missing keys and wrong shapes, A_log / dt_bias /
+    e_score_correction_bias made fp32). Without one, the permissive rename below is used.
+
     Args:
         sd: native state dict (tensors on any device / dtype; values are not changed).
         config: unused, accepted for symmetry with the file converters.
@@ -29,6 +33,10 @@ def native_state_dict_to_ours(sd: Dict[str, torch.Tensor], config=None) -> Dict[
         A new dict with our keys. Raises ValueError naming any key it does not understand or a fused conv whose
         channel count is not divisible by 3.
     """
+    if config is not None:
+        from .state_dict import native_state_dict_to_ours as strict
+
+        return strict(sd, config)
     out: Dict[str, torch.Tensor] = {}
     for key, t in sd.items():
         m = _FORGET.match(key)

@@ -1,0 +1,564 @@
+"""Streaming checkpoint converter: released Kimi-Linear / transformers-native kimi_linear / Kimi K3 -> ours, and
+ours -> released Kimi-Linear (export for vLLM / SGLang / llama.cpp).
+
+Memory design (bounded, independent of the number and size of shards):
+1. Plan from config.json alone (`layouts.py`), then read every shard HEADER and bind (`binding.py`): unknown,
+   missing, mis-shaped and mis-typed tensors are refused before a single byte is written.
+2. Output shards are planned up front (names, dtypes, shapes, offsets are all known), created with their final
+   header and preallocated. Destination tensors are ordered by the position of their last source so that an output
+   shard fills while the matching source shards are read.
+3. Sources are read shard by shard, tensor by tensor, in file order. A source whose pieces are byte copies (every
+   Kimi-Linear rename / reshape / expert stacking / q-k-v conv split) is streamed through a fixed scratch buffer of
+   `chunk_bytes` and each chunk is `pwrite`n straight into its place inside the fused destination: experts of one
+   layer that span two source shards simply land in the same preallocated destination, no staging copy.
+4. Sources that need math (K3 MXFP4 dequantization, a padded A_log check, a dtype cast) are loaded whole and kept
+   in a small buffer only until every source of their piece has been read (packed + scale may sit in different
+   shards); they are released as soon as their last piece is written. `peak_buffer_bytes` in the report measures it.
+   Peak RSS is therefore about: interpreter + torch + chunk_bytes + (largest math source group), not a shard.
+5. Verification: every output file header is re-read and checked against the plan, every destination byte is
+   counted as written exactly once, and each destination tensor is hashed from disk. Every source tensor is hashed
+   while it streams through (sha256 by default) and listed as used (with its destinations) or skipped (with why).
+6. Atomic output: everything is written into `<out>.tmp-<pid>`, then `os.replace`d onto `<out>`; any error removes
+   the temporary folder, so a folder named `<out>` is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from . import config_io
+from .binding import Bound, CheckpointError, bind, check_coverage, piece_values
+from .layouts import Plan, detect_variant, plan_for
+from .model_glue import bundle_dir  # noqa: F401  (re-exported)
+from .safetensors_io import (
+    FileHeader,
+    PlannedTensor,
+    PreallocatedShard,
+    SafetensorsError,
+    TensorInfo,
+    bytes_to_tensor,
+    itemsize,
+    numel,
+    read_bytes,
+    read_header,
+    tensor_bytes,
+)
+
+REPORT_NAME = "conversion_report.json"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "generation_config.json", "tokenization_kimi.py", "tokenizer.json",
+)
+DEFAULT_MAX_SHARD = 5 * 10**9
+DEFAULT_CHUNK = 64 << 20
+
+
+class ConversionError(RuntimeError):
+    """Conversion refused or failed; the output folder was not created."""
+
+
+def log(msg: str) -> None:
+    print(f"[kimi-hybrid-convert] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checksums
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Crc32:
+    def __init__(self):
+        self.v = 0
+
+    def update(self, b):
+        self.v = zlib.crc32(b, self.v)
+
+    def hexdigest(self):
+        return f"{self.v:08x}"
+
+
+class _NoHash:
+    def update(self, b):
+        pass
+
+    def hexdigest(self):
+        return None
+
+
+def new_hasher(kind: str):
+    if kind == "sha256":
+        return hashlib.sha256()
+    if kind == "crc32":
+        return _Crc32()
+    if kind == "none":
+        return _NoHash()
+    raise ValueError(f"unknown checksum {kind!r} (sha256, crc32, none)")
+
+
+def parse_size(s) -> int:
+    """'5GB' / '500MB' / '2GiB' / 12345 -> bytes."""
+    if isinstance(s, int):
+        return s
+    t = str(s).strip().upper()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * m)
+    return int(t)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# source checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SourceCheckpoint:
+    folder: str
+    config: dict
+    shards: list[str]  # file names, in read order
+    headers: dict[str, FileHeader]  # file name -> header
+    where: dict[str, tuple[str, TensorInfo]]  # tensor name -> (file name, info)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for _, i in self.where.values())
+
+    def present(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {k: (i.dtype, i.shape) for k, (_, i) in self.where.items()}
+
+
+def open_checkpoint(folder: str) -> SourceCheckpoint:
+    """Read config.json, the index (or a single model.safetensors) and every shard header; validate them."""
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConversionError(f"{folder}: no config.json")
+    config = config_io.load_json(cfg_path)
+    idx_path = os.path.join(folder, INDEX_NAME)
+    if os.path.isfile(idx_path):
+        index = config_io.load_json(idx_path)
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise ConversionError(f"{idx_path}: no weight_map")
+        shards = sorted(set(wm.values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        wm = None
+        shards = ["model.safetensors"]
+    else:
+        raise ConversionError(f"{folder}: neither {INDEX_NAME} nor model.safetensors found")
+    missing_files = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing_files:
+        raise ConversionError(f"{folder}: shard files listed in the index are missing: {missing_files}")
+    headers: dict[str, FileHeader] = {}
+    where: dict[str, tuple[str, TensorInfo]] = {}
+    errors: list[str] = []
+    for s in shards:
+        try:
+            h = read_header(os.path.join(folder, s))
+        except SafetensorsError as e:
+            raise ConversionError(str(e)) from None
+        headers[s] = h
+        for name, info in h.tensors.items():
+            if name in where:
+                errors.append(f"tensor {name} is stored in both {where[name][0]} and {s}")
+            where[name] = (s, info)
+    if wm is not None:
+        not_in_index = sorted(n for n, (s, _) in where.items() if n not in wm)
+        if not_in_index:
+            errors.append(f"tensors stored in shards but missing from the index ({len(not_in_index)}):\n  "
+                          + "\n  ".join(f"{n} (in {where[n][0]})" for n in not_in_index))
+        absent = sorted(n for n in wm if n not in where)
+        if absent:
+            errors.append(f"index entries whose tensor is not in the named shard ({len(absent)}):\n  "
+                          + "\n  ".join(f"{n} (index says {wm[n]})" for n in absent))
+        wrong = sorted(n for n in wm if n in where and where[n][0] != wm[n])
+        if wrong:
+            errors.append(f"index names the wrong shard for ({len(wrong)}):\n  "
+                          + "\n  ".join(f"{n}: index {wm[n]}, found in {where[n][0]}" for n in wrong))
+    if errors:
+        raise ConversionError(f"{folder}: inconsistent checkpoint:\n" + "\n".join(errors))
+    return SourceCheckpoint(folder, config, shards, headers, where)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# atomic output folder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def atomic_output(out: str, overwrite: bool):
+    out = os.path.abspath(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        if not overwrite:
+            raise ConversionError(f"output {out} exists and is not empty (pass --overwrite to replace it)")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        old = None
+        if os.path.exists(out):
+            if os.path.isdir(out) and not os.listdir(out):
+                os.rmdir(out)
+            else:
+                old = f"{out}.old-{os.getpid()}"
+                os.replace(out, old)
+        os.replace(tmp, out)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output planning
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def plan_output_shards(bound: Bound, order_key, max_shard: int, prefix: str = "model") -> dict[str, list[str]]:
+    """Group destination tensors into output files of at most `max_shard` bytes (a bigger tensor gets its own)."""
+    plan = bound.plan
+    keys = sorted(plan.dests, key=order_key)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        nb = numel(plan.dests[k].shape) * itemsize(bound.dst_dtype[k])
+        if groups[-1] and size + nb > max_shard:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += nb
+    n = len(groups)
+    return {f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config, bundle, tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_our_config(tmp: str, ours: dict, with_bundle: bool) -> list[str]:
+    """Write config.json (+ the bundle .py files and auto_map when the bundle is available). Returns files written."""
+    from .model_glue import write_model_config
+
+    return write_model_config(tmp, ours, with_bundle)
+
+
+def copy_side_files(src: str, dst: str) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        p = os.path.join(src, name)
+        if os.path.isfile(p):
+            shutil.copy2(p, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except Exception:  # pragma: no cover
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
+
+
+def _export_dtype_overrides(src: SourceCheckpoint, plan: Plan) -> tuple[dict[str, str], dict | None]:
+    """When exporting a folder we converted from a released checkpoint, restore the released dtypes and config
+    recorded in its conversion report (e.g. a bf16 e_score_correction_bias that ours stores in fp32)."""
+    p = os.path.join(src.folder, REPORT_NAME)
+    if not os.path.isfile(p):
+        return {}, None
+    try:
+        rep = config_io.load_json(p)
+    except Exception:
+        return {}, None
+    if rep.get("source", {}).get("format") != "released":
+        return {}, None
+    over = {}
+    for k, info in (rep.get("sources") or {}).items():
+        if k in plan.dests and info.get("dtype"):
+            over[k] = info["dtype"]
+    return over, rep.get("source", {}).get("config")
+
+
+def convert_checkpoint(
+    src_dir: str,
+    out_dir: str,
+    *,
+    src_format: str = "auto",
+    dst_format: str | None = None,
+    overwrite: bool = False,
+    max_shard_size="5GB",
+    checksum: str = "sha256",
+    dequant_dtype: str = "BF16",
+    chunk_bytes: int = DEFAULT_CHUNK,
+    progress: bool = True,
+    with_bundle: bool = True,
+    verify: bool = True,
+) -> dict:
+    """Convert the checkpoint folder `src_dir` into `out_dir`; returns the verification report (also written as
+    `out_dir/conversion_report.json`). Raises ConversionError / CheckpointError and leaves no `out_dir` on failure.
+    """
+    t0 = time.perf_counter()
+    src_dir = os.path.abspath(src_dir)
+    out_abs = os.path.abspath(out_dir)
+    if out_abs == src_dir or out_abs.startswith(src_dir + os.sep):
+        raise ConversionError("the output folder must not be the source folder or inside it")
+    src = open_checkpoint(src_dir)
+    fmt = config_io.detect_format(src.config) if src_format == "auto" else src_format
+    if dst_format is None:
+        dst_format = "released" if fmt == "ours" else "ours"
+    try:
+        ours_cfg = config_io.to_ours(src.config, fmt)
+    except config_io.ConfigError as e:
+        raise ConversionError(f"{src_dir}/config.json: {e}") from None
+    variant = detect_variant(fmt, src.where)
+    plan = plan_for(ours_cfg, fmt, dst_format, variant)
+    check_coverage(plan)
+    overrides, template = ({}, None)
+    if fmt == "ours" and dst_format == "released":
+        overrides, template = _export_dtype_overrides(src, plan)
+    bound = bind(plan, src.present(), dequant_dtype=dequant_dtype, dtype_overrides=overrides)
+    if bound.skipped:
+        by: dict[str, int] = {}
+        for n in bound.skipped:
+            by[n.split(".", 1)[0]] = by.get(n.split(".", 1)[0], 0) + 1
+        log(f"skipping {len(bound.skipped)} tensors that are not part of the text backbone: "
+            + ", ".join(f"{k} ({v})" for k, v in sorted(by.items())))
+    canon = bound.canonical_of()
+
+    # position of each source in read order -> completion order of destinations
+    shard_pos = {s: i for i, s in enumerate(src.shards)}
+
+    def src_pos(ckey):
+        s, info = src.where[bound.actual[ckey]]
+        return (shard_pos[s], info.begin)
+
+    last_src = {k: max(src_pos(s) for pc in d.pieces for s in pc.srcs) for k, d in plan.dests.items()}
+    layout = plan_output_shards(bound, lambda k: (last_src[k], k), parse_size(max_shard_size))
+    dst_file = {k: f for f, ks in layout.items() for k in ks}
+
+    # which (destination, piece) each source feeds
+    uses: dict[str, list] = {k: [] for k in plan.sources}
+    for dk, d in plan.dests.items():
+        for pc in d.pieces:
+            for s in pc.srcs:
+                uses[s].append((dk, pc))
+
+    src_hash: dict[str, str | None] = {}
+    peak_buffer = 0
+    read_bytes_total = 0
+    with atomic_output(out_dir, overwrite) as tmp, ThreadPoolExecutor(max_workers=1) as pool:
+        writers: dict[str, PreallocatedShard] = {}
+        try:
+            for f, ks in layout.items():
+                writers[f] = PreallocatedShard(
+                    os.path.join(tmp, f),
+                    [PlannedTensor(k, bound.dst_dtype[k], plan.dests[k].shape) for k in ks],
+                    {"format": "pt"},
+                )
+            # two scratch buffers: chunk i is hashed on a worker thread (hashlib releases the GIL) while the main
+            # thread pwrite()s it and reads chunk i+1 into the other buffer; a buffer is reused only after its hash
+            # finished. Hash updates of one tensor run in order (single worker).
+            scratch = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
+            pending = [None, None]
+            slot = 0
+            loaded: dict[str, torch.Tensor] = {}
+            loaded_bytes = 0
+            remaining = {k: len(v) for k, v in uses.items()}
+            done_pieces: set[int] = set()
+            total = sum(i.nbytes for n, (_, i) in src.where.items() if n in canon)
+            bar = _progress(total, progress, f"{fmt} -> {dst_format}")
+            for s in src.shards:
+                h = src.headers[s]
+                with open(h.path, "rb", buffering=0) as fh:
+                    for info in sorted(h.tensors.values(), key=lambda t: t.begin):
+                        if info.name not in canon:
+                            continue  # skipped (vision tower): not read
+                        ckey = canon[info.name]
+                        hasher = new_hasher(checksum)
+                        my_uses = uses[ckey]
+                        streamable = all(pc.op == "copy" and bound.dst_dtype[dk] == info.dtype for dk, pc in my_uses)
+                        isz = itemsize(info.dtype)
+                        if streamable:
+                            for cb in range(0, info.nbytes, chunk_bytes):
+                                ce = min(info.nbytes, cb + chunk_bytes)
+                                if pending[slot] is not None:
+                                    pending[slot].result()
+                                buf = read_bytes(fh, info.begin + cb, ce - cb, scratch[slot])
+                                pending[slot] = pool.submit(hasher.update, buf)
+                                slot ^= 1
+                                for dk, pc in my_uses:
+                                    pb, pe = pc.src_el * isz, (pc.src_el + pc.numel) * isz
+                                    lo, hi = max(pb, cb), min(pe, ce)
+                                    if lo < hi:
+                                        writers[dst_file[dk]].write(dk, pc.dst_el * isz + (lo - pb), buf[lo - cb: hi - cb])
+                            for p in pending:
+                                if p is not None:
+                                    p.result()
+                            pending = [None, None]
+                            peak_buffer = max(peak_buffer, 2 * min(chunk_bytes, info.nbytes) + loaded_bytes)
+                            if bar:
+                                bar.update(info.nbytes)
+                            read_bytes_total += info.nbytes
+                            src_hash[ckey] = hasher.hexdigest()
+                            continue
+                        raw = read_bytes(fh, info.begin, info.nbytes)
+                        hasher.update(raw)
+                        src_hash[ckey] = hasher.hexdigest()
+                        loaded[ckey] = bytes_to_tensor(raw, info.dtype, info.shape)
+                        loaded_bytes += info.nbytes
+                        peak_buffer = max(peak_buffer, loaded_bytes)
+                        for dk, pc in my_uses:
+                            if id(pc) in done_pieces or not all(x in loaded for x in pc.srcs):
+                                continue
+                            vals = piece_values(pc.op, [loaded[x] for x in pc.srcs], pc, bound.dst_dtype[dk])
+                            osz = itemsize(bound.dst_dtype[dk])
+                            writers[dst_file[dk]].write(dk, pc.dst_el * osz, tensor_bytes(vals))
+                            done_pieces.add(id(pc))
+                            for x in pc.srcs:
+                                remaining[x] -= 1
+                                if remaining[x] == 0 and x in loaded:
+                                    loaded_bytes -= loaded[x].numel() * loaded[x].element_size()
+                                    del loaded[x]
+                        if bar:
+                            bar.update(info.nbytes)
+                        read_bytes_total += info.nbytes
+            if bar:
+                bar.close()
+            if loaded:
+                raise ConversionError(f"internal: sources still buffered at the end: {sorted(loaded)}")
+        finally:
+            for w in writers.values():
+                w.close()
+
+        # ---- verification ------------------------------------------------------------------------------
+        problems = []
+        dst_report: dict[str, dict] = {}
+        for f, ks in layout.items():
+            w = writers[f]
+            for k in ks:
+                want = numel(plan.dests[k].shape) * itemsize(bound.dst_dtype[k])
+                if w.written[k] != want:
+                    problems.append(f"{k}: wrote {w.written[k]} of {want} bytes")
+            hdr = read_header(os.path.join(tmp, f))
+            if sorted(hdr.tensors) != sorted(ks):
+                problems.append(f"{f}: header tensor set differs from the plan")
+            with open(hdr.path, "rb", buffering=0) as fh:
+                for k in ks:
+                    info = hdr.tensors[k]
+                    if info.dtype != bound.dst_dtype[k] or info.shape != plan.dests[k].shape:
+                        problems.append(f"{k}: written {info.dtype} {list(info.shape)}, planned "
+                                        f"{bound.dst_dtype[k]} {list(plan.dests[k].shape)}")
+                    hasher = new_hasher(checksum if verify else "none")
+                    if verify and checksum != "none":
+                        for j, cb in enumerate(range(0, info.nbytes, chunk_bytes)):
+                            if pending[j % 2] is not None:
+                                pending[j % 2].result()
+                            ce = min(info.nbytes, cb + chunk_bytes)
+                            pending[j % 2] = pool.submit(hasher.update,
+                                                         read_bytes(fh, info.begin + cb, ce - cb, scratch[j % 2]))
+                        for p in pending:
+                            if p is not None:
+                                p.result()
+                        pending = [None, None]
+                    dst_report[k] = {
+                        "file": f, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes,
+                        checksum: hasher.hexdigest(),
+                        "provenance": [
+                            {"op": pc.op, "src": [bound.actual[x] for x in pc.srcs],
+                             "src_elements": [pc.src_el, pc.src_el + pc.numel] if pc.op != "mxfp4" else None,
+                             "dst_elements": [pc.dst_el, pc.dst_el + pc.numel]}
+                            for pc in plan.dests[k].pieces
+                        ],
+                    }
+        if problems:
+            raise ConversionError("verification failed:\n  " + "\n  ".join(problems))
+
+        src_report: dict[str, dict] = {}
+        used_by: dict[str, list[str]] = {}
+        for dk, d in plan.dests.items():
+            for pc in d.pieces:
+                for x in pc.srcs:
+                    lst = used_by.setdefault(x, [])
+                    if not lst or lst[-1] != dk:
+                        lst.append(dk)
+        for name, (s, info) in sorted(src.where.items()):
+            entry = {"file": s, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes}
+            if name in canon:
+                entry[checksum] = src_hash.get(canon[name])
+                entry["status"] = "used"
+                entry["destinations"] = used_by.get(canon[name], [])
+            else:
+                entry["status"] = "skipped: " + bound.skipped[name]
+            src_report[name] = entry
+        unaccounted = [n for n, e in src_report.items() if e["status"] == "used" and not e["destinations"]]
+        if unaccounted:
+            raise ConversionError(f"internal: source tensors with no destination: {unaccounted}")
+
+        # ---- config, index, side files -------------------------------------------------------------------
+        total_size = sum(e["nbytes"] for e in dst_report.values())
+        config_io.write_json(os.path.join(tmp, INDEX_NAME), {
+            "metadata": {"total_size": total_size},
+            "weight_map": {k: dst_report[k]["file"] for k in sorted(dst_report)},
+        })
+        if dst_format == "ours":
+            extra = write_our_config(tmp, ours_cfg, with_bundle)
+        else:
+            rel = config_io.ours_config_to_released(ours_cfg, template)
+            config_io.write_json(os.path.join(tmp, "config.json"), rel)
+            extra = ["config.json"]
+        side = copy_side_files(src_dir, tmp)
+        elapsed = time.perf_counter() - t0
+        report = {
+            "tool": "kimi-hybrid-convert",
+            "source": {"folder": src_dir, "format": fmt, "variant": variant, "config": src.config,
+                       "tensors": len(src.where), "bytes": src.total_bytes, "shards": src.shards},
+            "destination": {"format": dst_format, "tensors": len(dst_report), "bytes": total_size,
+                            "shards": list(layout)},
+            "checksum": checksum,
+            "checks": {
+                "every_source_accounted": True,
+                "used_sources": sum(1 for e in src_report.values() if e["status"] == "used"),
+                "skipped_sources": len(bound.skipped),
+                "every_destination_byte_written_once": True,
+                "output_headers_match_plan": True,
+            },
+            "dequant_dtype": dequant_dtype if any(d.dtype_rule == "dequant" for d in plan.dests.values()) else None,
+            "files_written": sorted(extra + side),
+            "peak_buffer_bytes": peak_buffer,
+            "bytes_read": read_bytes_total,
+            "elapsed_s": round(elapsed, 3),
+            "sources": src_report,
+            "destinations": dst_report,
+        }
+        with open(os.path.join(tmp, REPORT_NAME), "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+            fh.write("\n")
+    log(f"wrote {out_abs}: {len(dst_report)} tensors, {total_size / 1e9:.3f} GB in {len(layout)} shard(s), "
+        f"{elapsed:.1f} s ({read_bytes_total / 1e9 / max(elapsed, 1e-9):.2f} GB/s)")
+    return report

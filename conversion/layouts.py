@@ -1,0 +1,340 @@
+"""Key / shape plans between the checkpoint layouts (docs/LAYOUT.md is the contract for "ours").
+
+A plan is computed from a normalised config alone (no tensor data). It lists
+
+- every expected SOURCE tensor (`SrcSpec`: name, accepted aliases, accepted shapes, required dtype), and
+- every DESTINATION tensor (`DstSpec`: name, shape, dtype rule) together with its `Piece`s. A piece says "these
+  elements of the destination come from these source tensors through this op":
+    * `copy`  -- elements [src_el, src_el + numel) of one source, verbatim (a byte copy; dtypes must match unless
+                 the destination dtype rule forces fp32, then it becomes an exact up-cast);
+    * `zero_tail` -- `copy` of the first `numel` elements, after checking that every other element is exactly 0
+                 (K3 `A_log` stored [128] for 96 heads);
+    * `mxfp4` -- dequantize (weight_packed, weight_scale) into the destination dtype (K3 routed experts).
+
+Fusions are all expressible as element ranges because they only stack / concatenate along leading dims:
+`gate_up_proj[e, :F] <- w1_e`, `gate_up_proj[e, F:] <- w3_e`, `down_proj[e] <- w2_e`, native fused
+`conv1d[0:P] -> q_conv1d` ..., `A_log [1,1,H,1] <-> [H]` (same bytes). Hence released <-> ours is byte-exact.
+
+Layouts:
+  released -- Kimi-Linear remote-code names (moonshotai/Kimi-Linear-48B-A3B-*), checkpoint-facts section 2.
+  native   -- transformers 5.x `kimi_linear` in-memory names (`self_attn.conv1d`, `self_attn.forget_gate.*`,
+              `mlp.experts.gate_up_proj`). `save_pretrained` of transformers >= 5 writes the checkpoint back in the
+              released names except that dense layers get `block_sparse_moe.{gate,up,down}_proj`; the "native"
+              reader accepts that variant too (`native-saved`).
+  k3       -- Kimi K3 text backbone: `language_model.` prefix, MXFP4 experts, A_log [128] padded, K3-only keys.
+  ours     -- docs/LAYOUT.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .safetensors_io import numel
+
+FP32_ALWAYS_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "gate.e_score_correction_bias")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+class PlanError(ValueError):
+    """The checkpoint does not match the plan computed from its config."""
+
+
+@dataclass
+class SrcSpec:
+    key: str
+    shapes: tuple[tuple[int, ...], ...]
+    aliases: tuple[str, ...] = ()
+    dtype: str | None = None  # required safetensors dtype, None = any float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.shapes[0]
+
+
+@dataclass
+class Piece:
+    op: str  # "copy" | "zero_tail" | "mxfp4"
+    srcs: tuple[str, ...]
+    src_el: int
+    numel: int
+    dst_el: int
+    meta: tuple = ()
+
+
+@dataclass
+class DstSpec:
+    key: str
+    shape: tuple[int, ...]
+    dtype_rule: str  # "same" | "fp32" | "dequant"
+    pieces: list[Piece] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    src_format: str
+    dst_format: str
+    config: dict
+    sources: dict[str, SrcSpec] = field(default_factory=dict)
+    dests: dict[str, DstSpec] = field(default_factory=dict)
+    skip_prefixes: tuple[str, ...] = ()
+    variant: str = ""
+
+    def add_src(self, key, shape, aliases=(), dtype=None, shapes=None):
+        if key in self.sources:
+            raise PlanError(f"internal: source {key} planned twice")
+        self.sources[key] = SrcSpec(key, tuple(tuple(s) for s in (shapes or [shape])), tuple(aliases), dtype)
+
+    def add_dst(self, key, shape, rule="same"):
+        if key in self.dests:
+            raise PlanError(f"internal: destination {key} planned twice")
+        d = DstSpec(key, tuple(shape), rule)
+        self.dests[key] = d
+        return d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Logical tensors in OUR naming (docs/LAYOUT.md). kind: plain | fp32 | alog | conv | gate_up | down
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Logical:
+    key: str  # our name
+    shape: tuple[int, ...]
+    kind: str = "plain"
+    layer: int = -1
+    sub: str = ""  # name inside the layer, e.g. "self_attn.q_proj.weight"
+
+
+def dims(cfg: dict) -> dict:
+    d = dict(
+        D=cfg["hidden_size"], V=cfg["vocab_size"], H=cfg["linear_num_heads"], d=cfg["linear_head_dim"],
+        K=cfg["linear_conv_kernel_size"], Hm=cfg["num_attention_heads"], nope=cfg["qk_nope_head_dim"],
+        rope=cfg["qk_rope_head_dim"], v=cfg["v_head_dim"], rkv=cfg["kv_lora_rank"], rq=cfg.get("q_lora_rank"),
+        E=cfg.get("num_experts") or 0, F=cfg.get("moe_intermediate_size") or 0,
+        Fd=cfg.get("dense_ffn_hidden") or cfg["intermediate_size"], S=cfg.get("num_shared_experts") or 0,
+        L=cfg.get("routed_expert_hidden_size"),
+    )
+    d["P"] = d["H"] * d["d"]
+    d["De"] = d["L"] or d["D"]
+    return d
+
+
+def logical_tensors(cfg: dict) -> list[Logical]:
+    """All tensors of our layout for this config, in a stable order."""
+    g = dims(cfg)
+    D, P, d, H, K = g["D"], g["P"], g["d"], g["H"], g["K"]
+    out: list[Logical] = [Logical("model.embed_tokens.weight", (g["V"], D))]
+    attn_res = bool(cfg.get("attn_res_block_size"))
+    for i, (at, mt) in enumerate(zip(cfg["layer_types"], cfg["mlp_layer_types"])):
+        p = f"model.layers.{i}."
+
+        def add(sub, shape, kind="plain"):
+            out.append(Logical(p + sub, tuple(shape), kind, i, sub))
+
+        add("input_layernorm.weight", (D,))
+        add("post_attention_layernorm.weight", (D,))
+        if attn_res:
+            add("self_attention_res_norm.weight", (D,))
+            add("self_attention_res_proj.weight", (1, D))
+            add("mlp_res_norm.weight", (D,))
+            add("mlp_res_proj.weight", (1, D))
+        if at == "linear_attention":
+            for n in "qkv":
+                add(f"self_attn.{n}_proj.weight", (P, D))
+            for n in "qkv":
+                add(f"self_attn.{n}_conv1d.weight", (P, 1, K), "conv")
+            add("self_attn.f_a_proj.weight", (d, D))
+            add("self_attn.f_b_proj.weight", (P, d))
+            add("self_attn.A_log", (H,), "alog")
+            add("self_attn.dt_bias", (P,), "fp32")
+            add("self_attn.b_proj.weight", (H, D))
+            if cfg.get("use_full_rank_gate"):
+                add("self_attn.g_proj.weight", (P, D))
+            else:
+                add("self_attn.g_a_proj.weight", (d, D))
+                add("self_attn.g_b_proj.weight", (P, d))
+            add("self_attn.o_norm.weight", (d,))
+            add("self_attn.o_proj.weight", (D, P))
+        elif at == "full_attention":
+            qk = g["nope"] + g["rope"]
+            if g["rq"]:
+                add("self_attn.q_a_proj.weight", (g["rq"], D))
+                add("self_attn.q_a_layernorm.weight", (g["rq"],))
+                add("self_attn.q_b_proj.weight", (g["Hm"] * qk, g["rq"]))
+            else:
+                add("self_attn.q_proj.weight", (g["Hm"] * qk, D))
+            add("self_attn.kv_a_proj_with_mqa.weight", (g["rkv"] + g["rope"], D))
+            add("self_attn.kv_a_layernorm.weight", (g["rkv"],))
+            add("self_attn.kv_b_proj.weight", (g["Hm"] * (g["nope"] + g["v"]), g["rkv"]))
+            add("self_attn.o_proj.weight", (D, g["Hm"] * g["v"]))
+            if cfg.get("mla_use_output_gate"):
+                add("self_attn.g_proj.weight", (g["Hm"] * g["v"], D))
+        else:
+            raise PlanError(f"layer {i}: unknown layer type {at!r}")
+        if mt == "dense":
+            add("mlp.gate_proj.weight", (g["Fd"], D))
+            add("mlp.up_proj.weight", (g["Fd"], D))
+            add("mlp.down_proj.weight", (D, g["Fd"]))
+        elif mt == "sparse":
+            E, F, De = g["E"], g["F"], g["De"]
+            add("mlp.gate.weight", (E, D))
+            add("mlp.gate.e_score_correction_bias", (E,), "fp32")
+            if g["L"]:
+                add("mlp.routed_expert_down_proj.weight", (g["L"], D))
+                if cfg.get("latent_moe_use_norm"):
+                    add("mlp.routed_expert_norm.weight", (g["L"],))
+                add("mlp.routed_expert_up_proj.weight", (D, g["L"]))
+            add("mlp.experts.gate_up_proj", (E, 2 * F, De), "gate_up")
+            add("mlp.experts.down_proj", (E, De, F), "down")
+            if g["S"]:
+                Fs = F * g["S"]
+                add("mlp.shared_experts.gate_proj.weight", (Fs, D))
+                add("mlp.shared_experts.up_proj.weight", (Fs, D))
+                add("mlp.shared_experts.down_proj.weight", (D, Fs))
+        else:
+            raise PlanError(f"layer {i}: unknown mlp type {mt!r}")
+    out.append(Logical("model.norm.weight", (D,)))
+    if attn_res:
+        out.append(Logical("model.output_attn_res_norm.weight", (D,)))
+        out.append(Logical("model.output_attn_res_proj.weight", (1, D)))
+    if not cfg.get("tie_word_embeddings"):
+        out.append(Logical("lm_head.weight", (g["V"], D)))
+    return out
+
+
+def _released_name(lt: Logical, sparse: bool) -> str:
+    if sparse and lt.sub.startswith("mlp."):
+        return f"model.layers.{lt.layer}.block_sparse_moe." + lt.sub[len("mlp."):]
+    return lt.key
+
+
+def _rule(lt: Logical) -> str:
+    return "fp32" if lt.kind in ("fp32", "alog") else "same"
+
+
+def plan_to_ours(cfg: dict, src_format: str, variant: str = "") -> Plan:
+    """Plan a conversion released / native / k3 -> ours.
+
+    variant: for native, "fused" (in-memory names, default) or "saved" (released names written by transformers'
+    save_pretrained); for k3, a combination of "prefixed" / "mxfp4" (default "prefixed+mxfp4").
+    """
+    if src_format not in ("released", "native", "k3"):
+        raise PlanError(f"no plan from {src_format!r} to ours")
+    if src_format == "native" and not variant:
+        variant = "fused"
+    if src_format == "k3" and not variant:
+        variant = "prefixed+mxfp4"
+    plan = Plan(src_format, "ours", cfg, variant=variant)
+    g = dims(cfg)
+    prefix = "language_model." if (src_format == "k3" and "prefixed" in variant) else ""
+    mxfp4 = src_format == "k3" and "mxfp4" in variant
+    fused_native = src_format == "native" and variant == "fused"
+    if src_format == "k3":
+        plan.skip_prefixes = VISION_PREFIXES
+    for lt in logical_tensors(cfg):
+        sparse = cfg["mlp_layer_types"][lt.layer] == "sparse" if lt.layer >= 0 else False
+        lp = f"{prefix}model.layers.{lt.layer}."
+        dst = plan.add_dst(lt.key, lt.shape, _rule(lt))
+        n = numel(lt.shape)
+        if fused_native:
+            if lt.kind == "conv":
+                src = lp + "self_attn.conv1d.weight"
+                j = "qkv".index(lt.sub[len("self_attn."):][0])
+                if src not in plan.sources:
+                    plan.add_src(src, (3 * g["P"], 1, g["K"]))
+                dst.pieces.append(Piece("copy", (src,), j * n, n, 0))
+                continue
+            name = lt.key
+            for s in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
+                if lt.sub == "self_attn." + s:
+                    name = lp + "self_attn.forget_gate." + s
+            shape = (1, 1, g["H"], 1) if lt.kind == "alog" else lt.shape
+            plan.add_src(name, shape)
+            dst.pieces.append(Piece("copy", (name,), 0, n, 0))
+            continue
+        # released-style names (released, native-saved, k3)
+        if lt.kind in ("gate_up", "down"):
+            E, F, De = lt.shape[0], g["F"], g["De"]
+            base = lp + "block_sparse_moe.experts."
+            per = F * De
+            for e in range(E):
+                parts = (("w1", 2 * e), ("w3", 2 * e + 1)) if lt.kind == "gate_up" else (("w2", e),)
+                for w, slot in parts:
+                    shp = (F, De) if w != "w2" else (De, F)
+                    if mxfp4:
+                        kp, ks = f"{base}{e}.{w}.weight_packed", f"{base}{e}.{w}.weight_scale"
+                        out_f, in_f = shp
+                        if in_f % 32:
+                            raise PlanError(f"MXFP4 needs the input width ({in_f}) to be a multiple of 32")
+                        plan.add_src(kp, (out_f, in_f // 2), dtype="U8")
+                        plan.add_src(ks, (out_f, in_f // 32), dtype="U8")
+                        dst.pieces.append(Piece("mxfp4", (kp, ks), 0, per, slot * per, (out_f, in_f)))
+                    else:
+                        k = f"{base}{e}.{w}.weight"
+                        plan.add_src(k, shp)
+                        dst.pieces.append(Piece("copy", (k,), 0, per, slot * per))
+            if mxfp4:
+                dst.dtype_rule = "dequant"
+            continue
+        name = prefix + _released_name(lt, sparse)
+        aliases: tuple[str, ...] = ()
+        if src_format == "native" and lt.layer >= 0 and not sparse and lt.sub.startswith("mlp."):
+            # transformers' save_pretrained renames every `.mlp.` back to `.block_sparse_moe.`, dense ones included
+            aliases = (lp + "block_sparse_moe." + lt.sub[len("mlp."):],)
+        if lt.kind == "alog":
+            H = g["H"]
+            if src_format == "k3":
+                padded = -(-H // 128) * 128
+                shapes = [(padded,)] + ([(H,)] if padded != H else []) + [(1, 1, H, 1)]
+                plan.add_src(name, None, shapes=shapes)
+                dst.pieces.append(Piece("zero_tail", (name,), 0, H, 0))
+            else:
+                plan.add_src(name, (1, 1, H, 1))
+                dst.pieces.append(Piece("copy", (name,), 0, H, 0))
+            continue
+        plan.add_src(name, lt.shape, aliases)
+        dst.pieces.append(Piece("copy", (name,), 0, n, 0))
+    return plan
+
+
+def plan_ours_to_released(cfg: dict) -> Plan:
+    """Exact inverse of the released -> ours plan: ours (sources) -> released remote-code names (destinations)."""
+    fwd = plan_to_ours(cfg, "released")
+    plan = Plan("ours", "released", cfg)
+    for lt in logical_tensors(cfg):
+        plan.add_src(lt.key, lt.shape)
+    for dkey, d in fwd.dests.items():
+        for pc in d.pieces:
+            (rkey,) = pc.srcs
+            spec = fwd.sources[rkey]
+            rd = plan.add_dst(rkey, spec.shape, "same")
+            rd.pieces.append(Piece("copy", (dkey,), pc.dst_el, pc.numel, pc.src_el))
+    # keep the released key order of the forward plan
+    plan.dests = {k: plan.dests[k] for k in fwd.sources}
+    return plan
+
+
+def plan_for(cfg: dict, src_format: str, dst_format: str = "ours", variant: str = "") -> Plan:
+    if dst_format == "ours":
+        return plan_to_ours(cfg, src_format, variant)
+    if src_format == "ours" and dst_format == "released":
+        return plan_ours_to_released(cfg)
+    raise PlanError(f"no conversion from {src_format!r} to {dst_format!r}")
+
+
+def detect_variant(src_format: str, keys) -> str:
+    """Pick the key-naming variant of a source from its tensor names."""
+    keys = list(keys)
+    if src_format == "native":
+        fused = any(k.endswith("self_attn.conv1d.weight") or ".forget_gate." in k or k.endswith("experts.gate_up_proj")
+                    for k in keys)
+        return "fused" if fused else "saved"
+    if src_format == "k3":
+        parts = []
+        if any(k.startswith("language_model.") for k in keys):
+            parts.append("prefixed")
+        if any(k.endswith(".weight_packed") for k in keys):
+            parts.append("mxfp4")
+        return "+".join(parts) or "plain"
+    return ""

@@ -1,0 +1,124 @@
+"""The only place where the converters touch the model package (modeling_kimi_hybrid/, "the bundle").
+
+- `model_package()`: the bundle as an imported package -- `modeling_kimi_hybrid` beside this package in a source
+  checkout, or the installed `kimi_hybrid` (pip maps modeling_kimi_hybrid/ to kimi_hybrid/).
+- `to_model_config(ours)`: our normalised config dict -> `KimiHybridConfig`, cross-checked (layer plan, KDA dims)
+  against the converter's own reading, so the converter and the model can never disagree silently.
+- `write_model_config`: writes config.json as `KimiHybridConfig` serialises it and copies the bundle's flat .py
+  files next to the weights with a full `auto_map`, so the folder loads with
+  `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` where kimi-hybrid is not installed.
+  Without the bundle (converter used alone) the normalised dict is written as is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import shutil
+import sys
+
+from . import config_io
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_hybrid.KimiHybridConfig",
+    "AutoModel": "modeling_kimi_hybrid.KimiHybridModel",
+    "AutoModelForCausalLM": "modeling_kimi_hybrid.KimiHybridForCausalLM",
+}
+# converter-side mirrors that KimiHybridConfig derives itself (read-only properties there)
+_MIRRORS = ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_size", "gate_lower_bound",
+            "use_full_rank_gate", "source_format", "model_type", "architectures", "auto_map", "dtype", "torch_dtype",
+            "transformers_version")
+
+
+def bundle_dir() -> str | None:
+    """Folder of the model bundle: modeling_kimi_hybrid/ beside this package (source checkout), else the installed
+    package folder that contains this package (site-packages/kimi_hybrid/)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(os.path.dirname(here), "modeling_kimi_hybrid"), os.path.dirname(here)):
+        if os.path.isfile(os.path.join(d, "configuration_kimi_hybrid.py")):
+            return d
+    return None
+
+
+def model_package():
+    """Import and return the bundle package, or None when it is not available."""
+    d = bundle_dir()
+    if d is None:
+        return None
+    name = os.path.basename(d)
+    if name == "modeling_kimi_hybrid":
+        root = os.path.dirname(d)
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    return importlib.import_module(name)
+
+
+def config_class():
+    """KimiHybridConfig loaded from the bundle's configuration file alone (it imports only transformers'
+    PretrainedConfig), so converting does not pay for importing the model code. None without the bundle."""
+    global _CONFIG_CLASS
+    if _CONFIG_CLASS is None:
+        d = bundle_dir()
+        if d is None:
+            return None
+        name = os.path.basename(d)
+        mod = sys.modules.get(f"{name}.configuration_kimi_hybrid")
+        if mod is None:
+            spec = importlib.util.spec_from_file_location("_kimi_hybrid_configuration",
+                                                          os.path.join(d, "configuration_kimi_hybrid.py"))
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        _CONFIG_CLASS = mod.KimiHybridConfig
+    return _CONFIG_CLASS
+
+
+_CONFIG_CLASS = None
+
+
+def bundle_files(d: str) -> list[str]:
+    return sorted(f for f in os.listdir(d) if f.endswith(".py") and f != "__init__.py")
+
+
+def to_model_config(ours: dict):
+    """Our config dict -> KimiHybridConfig (None without the bundle). Raises ValueError if the model's reading of
+    the config disagrees with the converter's (layer plan, MLP plan, KDA dims)."""
+    cls = config_class()
+    if cls is None:
+        return None
+    kw = {k: v for k, v in ours.items() if k not in _MIRRORS}
+    for k in ("activation_situ_beta", "activation_situ_linear_beta", "rope_scaling"):
+        if kw.get(k) is None:
+            kw.pop(k, None)
+    cfg = cls(**kw)
+    cfg.dtype = ours.get("dtype") or "bfloat16"
+    cfg.architectures = ["KimiHybridForCausalLM"]
+    diffs = []
+    for name, mine in (("layer_types", ours["layer_types"]), ("mlp_layer_types", ours["mlp_layer_types"]),
+                       ("linear_num_heads", ours["linear_num_heads"]), ("linear_head_dim", ours["linear_head_dim"]),
+                       ("linear_conv_kernel_size", ours["linear_conv_kernel_size"]),
+                       ("gate_lower_bound", ours.get("gate_lower_bound")),
+                       ("use_full_rank_gate", bool(ours.get("use_full_rank_gate")))):
+        if getattr(cfg, name) != mine:
+            diffs.append(f"{name}: model {getattr(cfg, name)!r}, converter {mine!r}")
+    if diffs:
+        raise ValueError("KimiHybridConfig reads the config differently from the converter:\n  " + "\n  ".join(diffs))
+    return cfg
+
+
+def write_model_config(out: str, ours: dict, with_bundle: bool) -> list[str]:
+    cfg_obj = to_model_config(ours) if with_bundle else None
+    written = ["config.json"]
+    if cfg_obj is None:
+        cfg = {k: v for k, v in ours.items() if k != "source_format"}
+        config_io.write_json(os.path.join(out, "config.json"), cfg)
+        return written
+    d = bundle_dir()
+    for f in bundle_files(d):
+        shutil.copy2(os.path.join(d, f), os.path.join(out, f))
+        written.append(f)
+    cfg = cfg_obj.to_dict()
+    cfg["auto_map"] = dict(AUTO_MAP)
+    cfg["dtype"] = str(ours.get("dtype") or "bfloat16")
+    config_io.write_json(os.path.join(out, "config.json"), cfg)
+    return written
