@@ -329,10 +329,6 @@ class KimiHybridConfig(PretrainedConfig):
     def validate_kimi(self) -> None:
         """Check the layer plan, head dims and function names; raise ValueError naming the field."""
         n = self.num_hidden_layers
-        if self.head_dim * self.num_attention_heads != self.hidden_size:
-            raise ValueError(
-                f"head_dim={self.head_dim} x num_attention_heads={self.num_attention_heads} != hidden_size="
-                f"{self.hidden_size} (the released config stores head_dim = hidden_size / num_attention_heads)")
         if len(self.layer_types) != n:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {n}")
         bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})

@@ -96,7 +96,7 @@ def test_48b_preset_parameter_count_on_meta():
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"moe_router_activation_func": "relu"}, "moe_router_activation_func"),
     ({"num_key_value_heads": 1}, "num_key_value_heads"),
-    ({"head_dim": 5}, "head_dim=5"),
+    ({"qk_rope_head_dim": 0}, "qk_rope_head_dim=0"),
     ({"linear_attn_config": {"head_dim": 0, "num_heads": 2, "kda_layers": [1, 2, 3], "full_attn_layers": [4]}},
      "head_dim=0"),
     ({"layer_types": ["linear_attention"] * 3}, "layer_types has 3 entries"),
