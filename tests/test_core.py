@@ -348,7 +348,7 @@ def native_pair(order):
             if "e_score_correction_bias" in n:
                 b.normal_(0, 0.2)
     ours = KimiHybridForCausalLM(ours_cfg).eval()
-    missing, unexpected = ours.load_state_dict(native_state_dict_to_ours(native.state_dict()), strict=True)
+    missing, unexpected = ours.load_state_dict(native_state_dict_to_ours(native.state_dict(), ncfg), strict=True)
     assert not missing and not unexpected
     return native, ours
 
