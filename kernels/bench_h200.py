@@ -76,6 +76,24 @@ def versions():
 
 
 # ------------------------------------------------------------------------------------------------------ models
+def our_config(n_layers):
+    layer_types = [LIN if (i % 4) != 3 else FULL for i in range(n_layers)]
+    mlp_types = ["dense"] + ["sparse"] * (n_layers - 1)
+    return KimiHybridConfig.from_preset(
+        "kimi-linear-48b-a3b", num_hidden_layers=n_layers, layer_types=layer_types, mlp_layer_types=mlp_types,
+        linear_attn_config={"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4})
+
+
+def build_ours_only(n_layers):
+    cfg = our_config(n_layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        torch.set_default_dtype(torch.bfloat16)
+        ours = KimiHybridForCausalLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+    return None, ours, cfg
+
+
 def build(n_layers):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
@@ -96,9 +114,7 @@ def build(n_layers):
         torch.set_default_dtype(torch.bfloat16)
         native = KimiLinearForCausalLM(ncfg).eval()
         torch.set_default_dtype(torch.float32)
-    cfg = KimiHybridConfig.from_preset(
-        "kimi-linear-48b-a3b", num_hidden_layers=n_layers, layer_types=layer_types, mlp_layer_types=mlp_types,
-        linear_attn_config={"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4})
+    cfg = our_config(n_layers)
     with torch.device("meta"):
         ours = KimiHybridForCausalLM(cfg)
     mapped = native_state_dict_to_ours(native.state_dict())
@@ -305,7 +321,8 @@ def main():
     ap.add_argument("--long", default="262144")
     ap.add_argument("--long-chunk", type=int, default=65536)
     ap.add_argument("--long-budget-s", type=float, default=150.0)
-    ap.add_argument("--skip-native", action="store_true")
+    ap.add_argument("--skip-native", action="store_true", help="build ours alone (its own random init)")
+    ap.add_argument("--sections", default="prefill,decode,long")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_h200.json"))
     args = ap.parse_args()
     R = {"versions": versions(), "args": vars(args), "setup": {}, "ours": {}, "native": {}, "errors": []}
@@ -325,7 +342,8 @@ def main():
         finally:
             save()
 
-    t_build, (native, ours, cfg) = timed(lambda: build(args.layers))
+    sections = set(args.sections.split(","))
+    t_build, (native, ours, cfg) = timed(lambda: (build_ours_only if args.skip_native else build)(args.layers))
     R["setup"] = {"slice": f"{args.layers} layers {cfg.layer_types} / {cfg.mlp_layer_types}, real 48B-A3B widths",
                   "params_B": round(sum(p.numel() for p in ours.parameters()) / 1e9, 3), "build_s": round(t_build, 1),
                   "weights_GiB": gib(param_bytes(ours))}
@@ -339,16 +357,17 @@ def main():
         if not args.skip_native:
             R["native"]["cold_first_prefill_4096_s"] = round(
                 timed(lambda: native(ids, use_cache=False, logits_to_keep=1))[0], 2)
-        # parity: same weights -> same logits (bf16)
-        a = ours(ids[:, :512], use_cache=False).logits.float()
-        b = native(ids[:, :512], use_cache=False).logits.float()
-        R["setup"]["parity_rel_rms_ours_vs_native_bf16"] = ((a - b).norm() / b.norm()).item()
-        R["setup"]["parity_argmax_agree"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-        del a, b
+        if not args.skip_native:
+            # parity: same weights -> same logits (bf16)
+            a = ours(ids[:, :512], use_cache=False).logits.float()
+            b = native(ids[:, :512], use_cache=False).logits.float()
+            R["setup"]["parity_rel_rms_ours_vs_native_bf16"] = ((a - b).norm() / b.norm()).item()
+            R["setup"]["parity_argmax_agree"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+            del a, b
     save()
 
     # -- prefill -------------------------------------------------------------------------------------------------
-    for T in [int(x) for x in args.contexts.split(",")]:
+    for T in [int(x) for x in args.contexts.split(",")] if "prefill" in sections else []:
         ids = rand(1, T)
         for name, model in (("ours", ours), ("native", native)):
             if name == "native" and args.skip_native:
@@ -369,7 +388,7 @@ def main():
             R[name].setdefault("prefill", {})[str(T)] = r
             print(name, "prefill", T, r, flush=True)
         torch.cuda.empty_cache()
-    if "131072" in R["ours"].get("prefill", {}) or True:
+    if "prefill" in sections:
         T = max(int(x) for x in args.contexts.split(","))
         r = guard("prefill per layer", lambda: prefill_layer_times(ours, rand(1, T)))
         if r:
@@ -423,6 +442,7 @@ def main():
         return {"B": B, "context": T, "ms_per_step_median": round(native_decode(native, rand(B, T)) * 1e3, 2)}
 
     cases = [(1, int(x)) for x in args.decode_contexts.split(",")] + [(32, args.batch32_context)]
+    cases = cases if "decode" in sections else []
     for B, T in cases:
         r = guard(f"decode ours B{B} T{T}", lambda: ours_decode(B, T))
         R["ours"].setdefault("decode", {})[f"B{B}_T{T}"] = r
@@ -444,7 +464,7 @@ def main():
     del native
     torch.cuda.empty_cache()
     t_used = 0.0
-    for L in [int(x) for x in args.long.split(",") if x]:
+    for L in [int(x) for x in args.long.split(",") if x] if "long" in sections else []:
         if t_used and t_used * (L / prev) ** 2 > args.long_budget_s:  # noqa: F821
             R["ours"].setdefault("long", {})[str(L)] = {"skipped": f"projected {t_used * (L / prev) ** 2:.0f} s "
                                                                   f"> budget {args.long_budget_s} s"}

@@ -538,6 +538,11 @@ class KimiMLAttention(nn.Module):
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attn_mask is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=self.scaling)
+        elif type(attn_mask).__name__ == "CausalBias" and qh.is_cuda and self.v_dim < self.qk_dim:
+            # chunked prefill (bottom-right causal): SDPA serves it with flash only when q, k and v share a head dim;
+            # otherwise its mem-efficient fallback at head dim 192 is ~10x slower. Pad v with zeros, slice back.
+            vp = F.pad(vh, (0, self.qk_dim - self.v_dim))
+            o = F.scaled_dot_product_attention(qh, kh, vp, attn_mask=attn_mask, scale=self.scaling)[..., :self.v_dim]
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=self.scaling)
         return o.transpose(1, 2)  # [B, T, H, v]

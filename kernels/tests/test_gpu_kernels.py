@@ -1,7 +1,7 @@
 """GPU fast paths vs the plain-PyTorch references (skipped without CUDA, or without FLA for the FLA kernels).
 
 Error metric, unless stated: relative RMS error ``||a - b||_2 / ||b||_2`` between the fast path on bf16 inputs and
-the fp32 reference computed from the *same* bf16-rounded inputs. Tolerances (bf16, K = V = 64 or 128):
+the fp32 reference computed from the *same* bf16-rounded inputs. Tolerances (bf16, K = V = 64: one autotuned shape family):
 outputs and final states 1e-2, gradients 2e-2; fp32 model logits vs the CPU reference 2e-3 (FLA's Triton dots may
 use TF32); bf16 model logits vs the CPU fp32 reference 3e-2.
 """
@@ -74,7 +74,7 @@ def test_chunk_kda_fla_vs_ref(T, state):
 @pytest.mark.parametrize("T", [1, 63, 64, 65])
 @pytest.mark.parametrize("state", [False, True])
 def test_fused_recurrent_kda_fla_vs_ref(T, state):
-    q, k, v, g, beta, h0 = kda_inputs(2, T, 4, 128, 128, seed=100 + T, state=state)
+    q, k, v, g, beta, h0 = kda_inputs(2, T, 4, 64, 64, seed=100 + T, state=state)
     with torch.no_grad():
         o, ht = kk.kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         o_ref, ht_ref = kk.recurrent_kda_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -134,9 +134,9 @@ def test_short_conv_fla_vs_ref(T, state):
 def test_short_conv_varlen_fla_vs_ref():
     gen = torch.Generator(device="cuda").manual_seed(3)
     cu = torch.tensor([0, 1, 3, 70, 200], device="cuda")
-    x = torch.randn(1, 200, 96, device="cuda", generator=gen).bfloat16()
-    w = torch.randn(96, 4, device="cuda", generator=gen).bfloat16()
-    s0 = torch.randn(4, 96, 3, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(1, 200, 192, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(192, 4, device="cuda", generator=gen).bfloat16()
+    s0 = torch.randn(4, 192, 3, device="cuda", generator=gen).bfloat16()
     with torch.no_grad():
         y, st = kk.short_conv(x, w, s0, "silu", cu)
         y_ref, st_ref = kk.causal_conv1d_ref(x.float(), w.float(), s0.float(), "silu", cu)
