@@ -244,6 +244,14 @@ def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
         h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
         h = glu_act(config, h[:, :F_], h[:, F_:])
         return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
+    if xs.is_cuda and torch.cuda.is_current_stream_capturing():
+        # CUDA-graph capture without the grouped GEMM (fp32, odd widths): no host read is allowed, so gather each
+        # row's expert weights and use batched products (decode-sized M only: it reads M expert matrices)
+        M = xs.shape[0]
+        eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
+        h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
+        h = glu_act(config, h[:, :F_], h[:, F_:])
+        return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
     out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
     n_of = counts.tolist()  # one host read; then only the experts that received tokens run
     start = 0
