@@ -349,18 +349,29 @@ def _use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and fla_available()
 
 
+def _contig(*ts):
+    return tuple(None if t is None else t.contiguous() for t in ts)
+
+
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=True, cu_seqlens=None):
     """Chunked KDA (prefill / training): FLA ``chunk_kda`` on CUDA tensors, :func:`chunk_kda_ref` elsewhere.
 
     Shapes as :func:`recurrent_kda_ref`; the initial state must be float32; the final state is float32.
+
+    On CUDA the decay is passed as our precomputed fp32 log-space gate (``use_gate_in_kernel=False``): FLA's in-kernel
+    gate computes the same formula, but passing ours keeps the two paths bit-for-bit on the same gate values for both
+    the Kimi-Linear and the K3 lower-bounded form (one less place where the math can drift); it costs one fp32
+    ``[T, H*K]`` read per layer, well under 1% of a prefill. Beta is passed post-sigmoid (``[B, T, H]``) and the L2
+    norm of q/k is done in the kernel (eps 1e-6 inside the sqrt, as the reference).
     """
     if _use_fla(q):
         from fla.ops.kda import chunk_kda
 
+        q, k, v, beta = _contig(q, k, v, beta)
         if initial_state is not None:
             initial_state = initial_state.float().contiguous()
-        return chunk_kda(q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+        return chunk_kda(q, k, v, g.float().contiguous(), beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                          cu_seqlens=cu_seqlens)
     return chunk_kda_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -371,14 +382,19 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=True, cu_seqlens=None):
     """Recurrent KDA (decode, few tokens): FLA ``fused_recurrent_kda`` on CUDA tensors without autograd,
-    :func:`recurrent_kda_ref` elsewhere (and whenever a gradient is needed: the FLA recurrent kernel has none)."""
+    :func:`recurrent_kda_ref` elsewhere (and whenever a gradient is needed: the FLA recurrent kernel has none, so on
+    CUDA the chunked kernel, which has a backward, is used instead).
+
+    The FLA call allocates its output and final state and never synchronises with the host, so a decode step that
+    uses it can be captured in a CUDA graph (after a warm-up call has run Triton's autotuning)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
     if _use_fla(q) and not needs_grad:
         from fla.ops.kda import fused_recurrent_kda
 
+        q, k, v, beta = _contig(q, k, v, beta)
         if initial_state is not None:
             initial_state = initial_state.float().contiguous()
-        return fused_recurrent_kda(q, k, v, g.float(), beta, scale=scale, initial_state=initial_state,
+        return fused_recurrent_kda(q, k, v, g.float().contiguous(), beta, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state,
                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
     if needs_grad and q.is_cuda and fla_available():
@@ -389,34 +405,49 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
                              cu_seqlens=cu_seqlens)
 
 
+_FLA_CONV = None
+
+
+def _fla_conv_fn():
+    """FLA's functional causal conv (``fla.modules.causal_conv1d.causal_conv1d`` in fla-core 0.6.0; the older
+    ``fla.modules.convolution`` path is an alias there), or None."""
+    global _FLA_CONV
+    if _FLA_CONV is None:
+        fn = None
+        for mod in ("fla.modules.causal_conv1d", "fla.modules.convolution"):
+            try:
+                fn = getattr(__import__(mod, fromlist=["causal_conv1d"]), "causal_conv1d")
+                break
+            except Exception:  # noqa: BLE001
+                continue
+        _FLA_CONV = fn if fn is not None else False
+    return _FLA_CONV or None
+
+
 def short_conv(x, weight, conv_state=None, activation="silu", cu_seqlens=None):
-    """Causal depthwise conv for prefill: FLA's ``causal_conv1d`` on CUDA when available, else the reference.
+    """Causal depthwise conv for prefill: FLA's Triton ``causal_conv1d`` on CUDA when available, else the reference.
 
     Same contract as :func:`causal_conv1d_ref` (state ``[N, C, W-1]``)."""
     if _use_fla(x):
-        try:
-            from fla.modules.convolution import causal_conv1d as fla_conv
-        except Exception:  # noqa: BLE001
-            fla_conv = None
+        fla_conv = _fla_conv_fn()
         if fla_conv is not None:
-            try:
-                return _fla_short_conv(fla_conv, x, weight, conv_state, activation, cu_seqlens)
-            except TypeError:
-                pass
+            return _fla_short_conv(fla_conv, x, weight, conv_state, activation, cu_seqlens)
     return causal_conv1d_ref(x, weight, conv_state, activation, cu_seqlens)
 
 
 def _fla_short_conv(fla_conv, x, weight, conv_state, activation, cu_seqlens):
-    # FLA keeps a window of width W ([N, C, W]); ours keeps W-1 inputs. Convert at the boundary.
+    """FLA ``causal_conv1d(x [B, T, C], weight [C, W], initial_state [N, C, W], output_final_state, activation,
+    cu_seqlens)``. FLA keeps a window of width W (the W most recent inputs, oldest first; the convolution of the next
+    token reads only the newest W-1 of them), ours keeps the W-1 most recent: convert at the boundary by a zero
+    column on the old side going in, and dropping the oldest column coming out."""
     if weight.dim() == 3:
         weight = weight.squeeze(1)
-    W = weight.shape[-1]
     init = None
     if conv_state is not None:
-        init = F.pad(conv_state.to(x.dtype), (1, 0))
-    y, final = fla_conv(x=x, weight=weight.to(x.dtype), bias=None, activation=activation, initial_state=init,
-                        output_final_state=True, cu_seqlens=cu_seqlens)
-    return y, final[..., 1:].contiguous() if final is not None else None
+        init = F.pad(conv_state.to(x.dtype), (1, 0)).contiguous()
+    y, final = fla_conv(x=x.contiguous(), weight=weight.to(x.dtype).contiguous(), bias=None,
+                        activation=activation, initial_state=init, output_final_state=True, cu_seqlens=cu_seqlens)
+    return y, final[..., 1:].contiguous()
 
 
 def short_conv_update(x, weight, conv_state, activation="silu"):

@@ -180,7 +180,10 @@ class KimiExperts(nn.Module):
         order = flat.argsort(stable=True)
         token_of = order // k
         xs = x[token_of]
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # scatter_add, not bincount: bincount synchronises with the host on CUDA (it reads max()), which would
+        # break CUDA-graph capture of a decode step
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         ys = _grouped_expert_mlp(self.config, xs, gate_up, down, counts, self.intermediate)
         ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
         out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
@@ -188,27 +191,77 @@ class KimiExperts(nn.Module):
         return out.to(x.dtype)
 
 
+def _grouped_gemm_fn():
+    """``torch.nn.functional.grouped_mm`` (torch >= 2.10) or ``torch._grouped_mm`` (2.8 / 2.9), else None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_ok(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the CUDA grouped GEMM applies: bf16 operands (the dtype its CUTLASS kernels serve on every torch
+    of our window), every row stride a multiple of 16 bytes (D and F multiples of 8) and 16-byte aligned bases,
+    compute capability >= 8.0 (9.0 for torch < 2.9)."""
+    if not (xs.is_cuda and xs.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
+            and down.dtype == torch.bfloat16):
+        return False
+    D, F_ = down.shape[1], down.shape[2]
+    if D % 8 or F_ % 8:
+        return False
+    if any(t.data_ptr() % 16 for t in (xs, gate_up, down)):
+        return False
+    if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
+        return False
+    major, minor = torch.cuda.get_device_capability(xs.device)
+    return (major, minor) >= (8, 0) if hasattr(F, "grouped_mm") or _torch_at_least(2, 9) else major == 9
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    v = torch.__version__.split("+")[0].split(".")
+    try:
+        return (int(v[0]), int(v[1])) >= (major, minor)
+    except ValueError:  # pragma: no cover
+        return True
+
+
 def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
-    """``xs [M, D]`` sorted by expert with ``counts [E]``; returns ``[M, D]``."""
-    gm = getattr(torch, "_grouped_mm", None)
-    if (gm is not None and xs.is_cuda and xs.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
-            and xs.shape[0] > 0):
-        try:
-            offs = counts.cumsum(0).to(torch.int32)
-            h = gm(xs, gate_up.transpose(1, 2), offs=offs)
-            h = glu_act(config, h[:, :F_], h[:, F_:])
-            return gm(h, down.transpose(1, 2), offs=offs)
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    out = torch.empty_like(xs)
+    """Routed experts on token-expert pairs sorted by expert.
+
+    Args:
+        xs: ``[M, D]`` inputs, rows sorted by expert (expert e owns ``counts[e]`` consecutive rows).
+        gate_up: ``[E, 2F, D]`` fused w1 | w3. down: ``[E, D, F]`` (w2). counts: ``[E]`` int64 on xs.device.
+        F_: expert intermediate width F.
+
+    Returns:
+        ``[M, D]`` in xs.dtype: ``down_e(act(gate_e(x), up_e(x)))`` for each row's expert.
+
+    On CUDA with bf16 weights this is two grouped GEMMs (``F.grouped_mm``/``torch._grouped_mm``, one CUTLASS launch
+    each over all experts; empty experts cost nothing and read no weights), with the group ends ``offs`` kept on the
+    device: no host synchronisation, so batch-1 decode neither loops over experts in Python nor blocks, and the step
+    can be CUDA-graph captured. Elsewhere (CPU, fp32, odd widths) a loop over the experts that received tokens only.
+    """
+    gm = _grouped_gemm_fn()
+    if gm is not None and xs.shape[0] > 0 and _grouped_mm_ok(xs, gate_up, down):
+        offs = counts.cumsum(0).to(torch.int32)
+        h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
+        h = glu_act(config, h[:, :F_], h[:, F_:])
+        return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
+    if xs.is_cuda and torch.cuda.is_current_stream_capturing():
+        # CUDA-graph capture without the grouped GEMM (fp32, odd widths): no host read is allowed, so gather each
+        # row's expert weights and use batched products (decode-sized M only: it reads M expert matrices)
+        M = xs.shape[0]
+        eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
+        h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
+        h = glu_act(config, h[:, :F_], h[:, F_:])
+        return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
+    out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
+    n_of = counts.tolist()  # one host read; then only the experts that received tokens run
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(n_of):
         if n == 0:
             continue
         seg = xs[start:start + n]
-        h = seg @ gate_up[e].t()
+        h = seg @ gate_up[e].t().to(seg.dtype)
         h = glu_act(config, h[:, :F_], h[:, F_:])
-        out[start:start + n] = h @ down[e].t()
+        out[start:start + n] = h @ down[e].t().to(h.dtype)
         start += n
     return out
 
@@ -493,24 +546,73 @@ class KimiMLAttention(nn.Module):
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if attn_mask is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=self.scaling)
+        elif type(attn_mask).__name__ == "CausalBias" and qh.is_cuda and self.v_dim < self.qk_dim:
+            # chunked prefill (bottom-right causal): SDPA serves it with flash only when q, k and v share a head dim;
+            # otherwise its mem-efficient fallback at head dim 192 is ~10x slower. Pad v with zeros, slice back.
+            vp = F.pad(vh, (0, self.qk_dim - self.v_dim))
+            o = F.scaled_dot_product_attention(qh, kh, vp, attn_mask=attn_mask, scale=self.scaling)[..., :self.v_dim]
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=self.scaling)
         return o.transpose(1, 2)  # [B, T, H, v]
 
     def _attend_latent(self, q, latent, attn_mask):
+        """Attention in latent space (decode): ``q [B, T, H, nope + rope]``, ``latent [B, S, r + rope]`` (the cache),
+        ``attn_mask`` bool ``[B, 1, T, S]`` / a ``CausalBias`` / None. Returns ``[B, T, H, v]``.
+
+        With ``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` the two slices of ``kv_b_proj.weight``:
+        ``score[t, h, s] = <q_nope W_UK | q_pe, c_kv[s] | k_pe[s]>`` and ``out = (p @ c_kv) W_UV^T``. Because the
+        absorbed query ``[q_nope W_UK | q_pe]`` has the latent's own layout (576 values), all heads and query tokens
+        form one ``[T*H, 576] x [576, S]`` product against the cache (MQA over one shared latent "head"): the step
+        reads each cached latent once for the scores and its ``c_kv`` part once for the context, and nothing of
+        size ``S x H`` except the fp32 scores. Scores and softmax are fp32 (the product accumulates in fp32 and is
+        written in fp32 where torch supports ``out_dtype``); probabilities are cast to the latent dtype for the
+        context product, as SDPA does.
+        """
         B, T, H, _ = q.shape
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.r)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = latent.split([self.r, self.rope], dim=-1)
-        q_lat = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk.to(q.dtype))
-        scores = torch.einsum("bhtr,bsr->bhts", q_lat, c_kv) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)
-        scores = scores.float() * self.scaling
+        S = latent.shape[1]
+        r, n, dv = self.r, self.nope, self.v_dim
+        w = self.kv_b_proj.weight.view(H, n + dv, r)
+        w_uk, w_uv = w[:, :n], w[:, n:]
+        q_nope, q_pe = q.split([n, self.rope], dim=-1)
+        # absorb W_UK: per head [B*T, n] @ [n, r]
+        q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk.to(q.dtype))  # [H, B*T, r]
+        q_lat = q_lat.transpose(0, 1).reshape(B, T, H, r)
+        qf = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).reshape(B, T * H, r + self.rope)
+        scores = _bmm_fp32(qf, latent.transpose(1, 2).to(qf.dtype))  # [B, T*H, S] fp32
+        scores = scores.view(B, T, H, S).mul_(self.scaling)
+        if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":  # chunked prefill (SDPA bias object)
+            attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
+        if attn_mask is None and T > 1:
+            q_abs = torch.arange(T, device=q.device) + (S - T)
+            attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
         if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        p = scores.softmax(-1).to(latent.dtype)
-        ctx = torch.einsum("bhts,bsr->bthr", p, c_kv)
-        return torch.einsum("bthr,hvr->bthv", ctx, w_uv.to(ctx.dtype))
+            scores = scores.masked_fill(~attn_mask.transpose(1, 2), float("-inf"))  # [B|1, T, 1, S]
+        p = scores.softmax(-1).to(latent.dtype).view(B, T * H, S)
+        ctx = torch.bmm(p, latent[..., :r])  # [B, T*H, r]
+        # absorb W_UV: per head [B*T, r] @ [r, v]
+        ctx = ctx.view(B * T, H, r).transpose(0, 1)
+        out = torch.bmm(ctx, w_uv.transpose(1, 2).to(ctx.dtype))  # [H, B*T, v]
+        return out.transpose(0, 1).reshape(B, T, H, dv)
+
+
+_OUT_DTYPE_OK = {}
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
+    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
+    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    key = (a.device.type, a.dtype)
+    if _OUT_DTYPE_OK.get(key, True):
+        try:
+            out = torch.bmm(a, b, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[key] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return torch.bmm(a, b).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -734,7 +836,15 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         need_mask = (segs is not None or past > 0 or (keys_valid is not None and not bool(keys_valid.all()))
                      or (cache is not None and cache.static))
         if FULL in self.config.layer_types and need_mask:
-            mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, inputs_embeds.device)
+            if (T > 1 and past > 0 and segs is None and token_mask is None and not cache.static
+                    and bool(keys_valid.all())):
+                # chunked prefill through a cache without padding: bottom-right causal, never materialised (SDPA
+                # runs it in its fused kernels; a dense [T, past + T] mask would not fit at long context)
+                from torch.nn.attention.bias import causal_lower_right
+
+                mla_mask = causal_lower_right(T, past + T)
+            else:
+                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, inputs_embeds.device)
         ctx = {"token_mask": token_mask, "cu_seqlens": kda_cu, "mla_mask": mla_mask}
 
         # -- layers ---------------------------------------------------------------------------------------------

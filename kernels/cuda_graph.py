@@ -1,0 +1,124 @@
+# coding=utf-8
+"""CUDA-graph decoding for KimiHybrid: one decode step captured with a static cache, replayed per token.
+
+At batch 1 a decode step of this model is a few hundred small kernels (GEMVs, norms, the KDA recurrence, a
+grouped expert GEMM); launched one by one from Python they take tens of milliseconds, far above the few hundred
+microseconds the GPU needs to read the weights. Capturing the step once in a ``torch.cuda.CUDAGraph`` and replaying
+it removes the Python and launch overhead.
+
+Requirements (all met by the model's decode path on CUDA): a static :class:`KimiHybridCache` (every buffer at a
+fixed address, positions in a device counter), no host synchronisation inside the step (MoE counts with
+``scatter_add_``, grouped GEMM offsets on the device, FLA's ``fused_recurrent_kda``), and kernels autotuned before
+capture (warm-up steps run first, then the cache is restored in place).
+
+    cache = prefill_to_static(model, prompt_ids, max_cache_len)     # or any filled static cache
+    dec = GraphDecoder(model, cache)                                 # warm-up + capture
+    logits = dec.step(next_ids)                                      # [B, V]; the static output buffer
+
+``GraphDecoder.step`` keeps ``cache.seen_tokens`` (the host counter) in step with the device counter.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+
+__all__ = ["to_static_cache", "prefill_to_static", "GraphDecoder"]
+
+
+def _is_kda(layer) -> bool:
+    return hasattr(layer, "recurrent_state")
+
+
+def to_static_cache(cache, max_cache_len: int):
+    """Copy a filled dynamic cache into a new static cache of ``max_cache_len`` positions (same batch, dtypes and
+    device). KDA conv windows and recurrent states are copied; MLA latents and the key mask fill the first
+    ``seen_tokens`` rows. Raises ValueError if the cache holds more tokens than ``max_cache_len``."""
+    T = cache.seen_tokens
+    if T > max_cache_len:
+        raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={max_cache_len}")
+    ref = next(t for layer in cache.layers for t in layer.tensors().values())
+    conv_dtype = next((l.conv_state.dtype for l in cache.layers if _is_kda(l)
+                       and l.conv_state is not None), None)
+    lat_dtype = next((l.latent.dtype for l in cache.layers if not _is_kda(l)
+                      and l.latent is not None), None)
+    dtype = conv_dtype or lat_dtype or ref.dtype
+    B = cache.batch_size
+    st = type(cache)(cache.config, max_cache_len=max_cache_len, batch_size=B, dtype=dtype, device=ref.device)
+    for a, b in zip(st.layers, cache.layers):
+        if _is_kda(a):
+            a.conv_state.copy_(b.conv_state)
+            a.recurrent_state.copy_(b.recurrent_state)
+        else:
+            a.latent[:, :T].copy_(b.latent)
+    st.key_mask[:, :T].copy_(cache.key_mask[:, :T])
+    st._pos.fill_(T)
+    st.seen_tokens = T
+    return st
+
+
+@torch.no_grad()
+def prefill_to_static(model, input_ids: torch.Tensor, max_cache_len: int, chunk_size: Optional[int] = None):
+    """Prefill ``input_ids [B, T]`` through a dynamic cache (flash / fused kernels, no dense masks), optionally in
+    pieces of ``chunk_size`` tokens (bounded activation memory for long prompts), then move it into a static cache.
+
+    Returns ``(static_cache, last_logits [B, V])``."""
+    cache_cls = sys.modules[type(model).__module__].KimiHybridCache  # the class the model checks against
+    cache = cache_cls(model.config)
+    T = input_ids.shape[1]
+    step = chunk_size or T
+    out = None
+    for s in range(0, T, step):
+        out = model(input_ids[:, s:s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1]
+    st = to_static_cache(cache, max_cache_len)
+    del cache
+    return st, logits
+
+
+class GraphDecoder:
+    """Replay one captured decode step.
+
+    Args:
+        model: a :class:`KimiHybridForCausalLM` on CUDA in eval mode.
+        cache: a filled static :class:`KimiHybridCache` on the same device.
+        warmup: eager steps run before capture (Triton autotuning, cuBLAS handles); the cache is restored after.
+    """
+
+    def __init__(self, model, cache, warmup: int = 2):
+        if not cache.static:
+            raise ValueError("GraphDecoder needs a static KimiHybridCache (max_cache_len=...)")
+        if cache.seen_tokens == 0:
+            raise ValueError("prefill the cache before capturing a decode step")
+        self.model, self.cache = model, cache
+        B = cache.batch_size
+        dev = cache._pos.device
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        snap = cache.snapshot()
+        seen = cache.seen_tokens
+        s = torch.cuda.Stream(device=dev)
+        s.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(s), torch.no_grad():
+            for _ in range(warmup):
+                model(self.ids, past_key_values=cache, use_cache=True)
+        torch.cuda.current_stream(dev).wait_stream(s)
+        cache.restore(snap)  # in place: same buffers, the state before the warm-up
+        del snap
+        cache.seen_tokens = seen
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.logits = model(self.ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        cache.seen_tokens = seen  # capture ran no kernel: the device state is unchanged
+        if cache.seen_tokens + 1 > cache.max_cache_len:
+            raise ValueError("the static cache is full")
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Feed ``input_ids [B, 1]``; returns the logits ``[B, V]`` (a buffer overwritten by the next step)."""
+        if self.cache.seen_tokens >= self.cache.max_cache_len:
+            raise ValueError(f"the static cache is full ({self.cache.max_cache_len} positions)")
+        self.ids.copy_(input_ids)
+        self.graph.replay()
+        self.cache.seen_tokens += 1
+        return self.logits
