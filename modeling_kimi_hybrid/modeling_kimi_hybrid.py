@@ -640,6 +640,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         if config.attn_res_block_size > 0:
             self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        if config.use_full_rank_gate:
+            # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time (also for AutoModel loads)
+            self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
+                "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -789,11 +793,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         self.model = KimiHybridModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.use_full_rank_gate:
-            # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time
-            self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
-                "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
-        self.post_init()
+        self.post_init()  # gathers the child model's K3 fp32 list
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
