@@ -555,7 +555,9 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
             return self.self_attn(h, cache, ctx["token_mask"], ctx["cu_seqlens"])
         return self.self_attn(h, cache, ctx["mla_mask"])
 
-    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, bank: Optional[List[torch.Tensor]] = None):
+    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, *bank: torch.Tensor):
+        """Returns ``(prefix_sum or hidden state, bank)``. The AttnRes bank comes as positional tensors so that a
+        reentrant gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph)."""
         if not self.attn_res:
             h = hidden_states
             h = h + self._attn(self.input_layernorm(h), cache, ctx)
@@ -748,7 +750,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(h)
-            h, bank = layer(h, cache, ctx, bank)
+            h, bank = layer(h, cache, ctx, *(bank or ()))
         if self.config.attn_res_block_size > 0:
             h = attn_res_mix(h, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
                              self.config.rms_norm_eps)
