@@ -567,6 +567,32 @@ def test_output_hidden_states_are_prefix_sums():
     assert torch.equal(hs[0], model.model.embed_tokens(ids))
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_keeps_attn_res_gradients(reentrant):
+    """Training with gradient checkpointing (either checkpoint flavour) gives the same loss and gradients: the
+    AttnRes bank reaches every later layer, so it must be a checkpoint input."""
+    import copy
+    model = copy.deepcopy(tiny_model("tiny-k3-block4")).train()
+    ids = ids_for(model.config, 2, 8)
+    loss = model(ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    want = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    # no gradient: the correction bias (a buffer-like parameter) and layer 0's attention-side AttnRes pair (the mix
+    # is skipped there, k3-spec 1.3)
+    assert sorted(n for n, g in want.items() if g is None) == sorted(
+        [n for n in want if n.endswith("e_score_correction_bias")]
+        + ["model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"])
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    loss2 = model(ids, labels=ids, use_cache=False).loss
+    loss2.backward()
+    assert loss2.item() == loss.item()
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (want[n] is None), n
+        if p.grad is not None:
+            assert_close(p.grad, want[n], 1e-5, n)
+
+
 # ================================================================================================================
 # dtype rules
 # ================================================================================================================
@@ -686,6 +712,46 @@ def test_k3_preset_values():
     # the released text_config reads back to the same plan
     again = KimiHybridConfig.from_released_dict({"model_type": "kimi_k3", "text_config": c.to_released_dict()})
     assert again.layer_types == c.layer_types and again.attn_res_block_size == 12
+
+
+def _released_k3_config():
+    """A K3 top-level config.json as described by checkpoint-facts section 6 (text_config values of the table)."""
+    full = list(range(4, 93, 4)) + [93]
+    text = {
+        "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_kimi_k3.KimiLinearConfig"},
+        "hidden_size": 7168, "num_hidden_layers": 93, "vocab_size": 163840, "intermediate_size": 33792,
+        "num_attention_heads": 96, "num_key_value_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+        "mla_use_output_gate": True, "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
+        "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
+        "routed_scaling_factor": 1.0, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "hidden_act": "situ", "activation_situ_beta": 4.0,
+        "activation_situ_linear_beta": 25.0, "attn_res_block_size": 12, "max_position_embeddings": 1048576,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "dtype": "bfloat16",
+        "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+        "linear_attn_config": {"head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4,
+                               "gate_lower_bound": -5.0, "use_full_rank_gate": True, "full_attn_layers": full,
+                               "kda_layers": [i for i in range(1, 94) if i not in full]},
+    }
+    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text,
+            "vision_config": {"depth": 27}, "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+            "media_placeholder_token_id": 163605,
+            "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
+
+
+def test_released_k3_config_reads_as_the_preset(tmp_path):
+    import json
+    preset = KimiHybridConfig.from_preset("kimi-k3").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(_released_k3_config()))
+    for got in (KimiHybridConfig.from_released_dict(_released_k3_config()),
+                KimiHybridConfig.from_pretrained(tmp_path)):
+        d = got.to_dict()
+        diff = {k: (d.get(k), v) for k, v in preset.items()
+                if k not in ("architectures", "transformers_version", "_name_or_path") and d.get(k) != v}
+        assert not diff, diff
+        assert str(got.dtype).replace("torch.", "") == "bfloat16"  # a str here; transformers reads either form
 
 
 def test_tiny_k3_presets():
