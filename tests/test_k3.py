@@ -194,14 +194,18 @@ def ref_attn_res(prefix, bank, proj_w, norm_w, eps):
     return (a.unsqueeze(-1) * V).sum(0)
 
 
-def ref_forward(cfg, sd, input_ids, trace=None):
-    """The whole K3 forward (spec 1.3 + exit), from a state_dict. Returns logits [B, T, V] (fp32)."""
+def ref_forward(cfg, sd, input_ids, trace=None, states=None):
+    """The whole K3 forward (spec 1.3 + exit), from a state_dict. Returns logits [B, T, V] (fp32). ``trace`` gets
+    (site, layer, candidate count) per mix; ``states`` gets the prefix sum entering each layer, then the final
+    normed hidden state."""
     sd = {k: v.to(REF_DTYPE) for k, v in sd.items()}
     eps, bs = cfg.rms_norm_eps, cfg.attn_res_block_size
     p = sd["model.embed_tokens.weight"][input_ids]
     bank = []
     for l in range(cfg.num_hidden_layers):
         pre = f"model.layers.{l}."
+        if states is not None:
+            states.append(p)
         if bank:
             x_attn = ref_attn_res(p, bank, sd[pre + "self_attention_res_proj.weight"],
                                   sd[pre + "self_attention_res_norm.weight"], eps)
@@ -231,6 +235,8 @@ def ref_forward(cfg, sd, input_ids, trace=None):
     if trace is not None:
         trace.append(("exit", cfg.num_hidden_layers, len(bank) + 1))
     h = ref_rmsnorm(h, sd["model.norm.weight"], eps)
+    if states is not None:
+        states.append(h)
     return h @ sd["lm_head.weight"].T
 
 
@@ -368,8 +374,9 @@ def test_kda_gate_forms():
                  1e-6, "bf16 input")
 
 
+@pytest.mark.parametrize("T", [11, 70])  # 70 > the chunk size 64 of the chunked kernel
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-softplus"])
-def test_kda_layer_matches_spec(preset):
+def test_kda_layer_matches_spec(preset, T):
     cfg = KimiHybridConfig.from_preset(preset)
     layer = cfg.layer_types.index(LINEAR)
     attn = randomize(mk.KimiDeltaAttention(cfg, layer).eval(), seed=6)
@@ -377,7 +384,7 @@ def test_kda_layer_matches_spec(preset):
     # full-rank output gate replaces the low-rank one
     assert "g_proj.weight" in sd and "g_a_proj.weight" not in sd and "g_b_proj.weight" not in sd
     assert sd["g_proj.weight"].shape == (cfg.linear_num_heads * cfg.linear_head_dim, cfg.hidden_size)
-    x = torch.randn(2, 11, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(2, T, cfg.hidden_size, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         got = attn(x)
     assert_close(got, ref_kda(cfg, sd, "", x), 1e-5, f"KDA {preset}")
@@ -558,6 +565,7 @@ def test_whole_model_matches_reference(preset):
 
 
 def test_output_hidden_states_are_prefix_sums():
+    """Each recorded state is the partial block sum entering the layer (k3-spec 1.3), the last one the normed exit."""
     model = tiny_model("tiny-k3")
     ids = ids_for(model.config, 1, 4)
     with torch.no_grad():
@@ -565,6 +573,10 @@ def test_output_hidden_states_are_prefix_sums():
     hs = out.hidden_states
     assert len(hs) == model.config.num_hidden_layers + 1
     assert torch.equal(hs[0], model.model.embed_tokens(ids))
+    states = []
+    ref_forward(model.config, model.state_dict(), ids, states=states)
+    for i, (a, b) in enumerate(zip(hs, states)):
+        assert_close(a, b, 1e-5, f"hidden state {i}")
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
