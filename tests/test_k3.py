@@ -852,6 +852,17 @@ def test_static_cache_generate_equals_dynamic():
     assert torch.equal(dyn, sta)
 
 
+@pytest.mark.xfail(reason="core, not K3: transformers 5.23 prompt-lookup crops the cache to 0 tokens, outside the "
+                          "KDA recorded window (fails the same on tiny-kda-first); owned by the decoding branch",
+                   raises=ValueError, strict=False)
+def test_prompt_lookup_generate_equals_greedy():
+    model = tiny_model("tiny-k3")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=model.config.pad_token_id)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, **kw), model.generate(ids, **kw))
+
+
 @pytest.mark.parametrize("preset", TINY_K3)
 def test_left_padded_batch_equals_rows_alone(preset):
     model = tiny_model(preset)
