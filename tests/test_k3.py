@@ -726,6 +726,46 @@ def test_k3_preset_values():
     assert again.layer_types == c.layer_types and again.attn_res_block_size == 12
 
 
+def test_k3_preset_shapes_and_parameter_count():
+    """Built on the meta device (nothing allocated): the k3-spec section 7 shapes, and the logical parameter total
+    2,779,484,478,208 minus the 32 zero-padding A_log entries the checkpoint stores per KDA layer (69 x 32)."""
+    cfg = KimiHybridConfig.from_preset("kimi-k3")
+    with torch.device("meta"):
+        model = KimiHybridForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert sum(p.numel() for p in model.parameters()) == 2_779_484_478_208 - 69 * 32
+    kda, mla = "model.layers.0.self_attn.", "model.layers.3.self_attn."
+    expect = {
+        "model.embed_tokens.weight": (163840, 7168), "lm_head.weight": (163840, 7168), "model.norm.weight": (7168,),
+        "model.output_attn_res_norm.weight": (7168,), "model.output_attn_res_proj.weight": (1, 7168),
+        "model.layers.0.self_attention_res_norm.weight": (7168,),
+        "model.layers.0.self_attention_res_proj.weight": (1, 7168),
+        "model.layers.92.mlp_res_norm.weight": (7168,), "model.layers.92.mlp_res_proj.weight": (1, 7168),
+        kda + "q_proj.weight": (12288, 7168), kda + "k_proj.weight": (12288, 7168), kda + "v_proj.weight": (12288, 7168),
+        kda + "q_conv1d.weight": (12288, 1, 4), kda + "k_conv1d.weight": (12288, 1, 4),
+        kda + "v_conv1d.weight": (12288, 1, 4), kda + "f_a_proj.weight": (128, 7168),
+        kda + "f_b_proj.weight": (12288, 128), kda + "A_log": (96,), kda + "dt_bias": (12288,),
+        kda + "b_proj.weight": (96, 7168), kda + "g_proj.weight": (12288, 7168), kda + "o_norm.weight": (128,),
+        kda + "o_proj.weight": (7168, 12288),
+        mla + "q_a_proj.weight": (1536, 7168), mla + "q_a_layernorm.weight": (1536,),
+        mla + "q_b_proj.weight": (18432, 1536), mla + "kv_a_proj_with_mqa.weight": (576, 7168),
+        mla + "kv_a_layernorm.weight": (512,), mla + "kv_b_proj.weight": (24576, 512),
+        mla + "o_proj.weight": (7168, 12288), mla + "g_proj.weight": (12288, 7168),
+        "model.layers.0.mlp.gate_proj.weight": (33792, 7168), "model.layers.0.mlp.down_proj.weight": (7168, 33792),
+        "model.layers.1.mlp.gate.weight": (896, 7168), "model.layers.1.mlp.gate.e_score_correction_bias": (896,),
+        "model.layers.1.mlp.routed_expert_down_proj.weight": (3584, 7168),
+        "model.layers.1.mlp.routed_expert_norm.weight": (3584,),
+        "model.layers.1.mlp.routed_expert_up_proj.weight": (7168, 3584),
+        "model.layers.1.mlp.shared_experts.gate_proj.weight": (6144, 7168),
+        "model.layers.1.mlp.shared_experts.down_proj.weight": (7168, 6144),
+        "model.layers.1.mlp.experts.gate_up_proj": (896, 6144, 3584),  # w1 | w3 of [3072, 3584] each
+        "model.layers.1.mlp.experts.down_proj": (896, 3584, 3072),
+    }
+    for k, v in expect.items():
+        assert shapes.get(k) == v, f"{k}: {shapes.get(k)} != {v}"
+    assert not any(k.startswith(kda + "g_a_proj") or k.startswith(mla + "q_proj") for k in shapes)
+
+
 def _released_k3_config():
     """A K3 top-level config.json as described by checkpoint-facts section 6 (text_config values of the table)."""
     full = list(range(4, 93, 4)) + [93]
