@@ -530,19 +530,22 @@ class KimiHybridCache(Cache):
     def memory_report(self) -> Dict[str, Any]:
         """Bytes held, per layer type and in total, summed from the tensors actually held (byte-exact).
 
-        Returns a dict: ``kda_bytes`` (conv windows + fp32 recurrent states), ``mla_bytes`` (latents),
+        Returns a dict: ``kda_bytes`` (conv windows + fp32 recurrent states; split into ``kda_state_bytes`` and
+        ``kda_conv_bytes``), ``mla_bytes`` (latents),
         ``mask_bytes`` (key-padding mask), ``rollback_bytes`` (assisted-decoding records), ``total_bytes``,
         ``seen_tokens``, ``per_layer`` (list of (layer_type, bytes)), and the formula values
         ``mla_bytes_per_token`` and ``kda_bytes_constant`` for the current batch size and dtypes.
         """
         per_layer = []
-        kda = mla = rec = 0
+        kda = mla = rec = kda_state = 0
         for t, layer in zip(self.layer_types, self.layers):
             b = layer.nbytes()
             per_layer.append((t, b))
             if t == LINEAR:
                 kda += b
                 rec += layer.record_nbytes()
+                if layer.recurrent_state is not None:
+                    kda_state += layer.recurrent_state.numel() * layer.recurrent_state.element_size()
             else:
                 mla += b
         mask = 0 if self.key_mask is None else self.key_mask.numel() * self.key_mask.element_size()
@@ -557,6 +560,8 @@ class KimiHybridCache(Cache):
             "seen_tokens": self.seen_tokens,
             "batch_size": B,
             "kda_bytes": kda,
+            "kda_state_bytes": kda_state,
+            "kda_conv_bytes": kda - kda_state,
             "mla_bytes": mla,
             "mask_bytes": mask,
             "rollback_bytes": rec,

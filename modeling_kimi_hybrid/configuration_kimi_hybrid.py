@@ -53,7 +53,7 @@ _KIMI_K3 = {
     "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
     "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
     "moe_layer_freq": 1, "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "attn_res_block_size": 12,
+    "attn_res_block_size": 12, "dtype": "bfloat16",
     "linear_attn_config": {
         "head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
         "use_full_rank_gate": True,
@@ -102,6 +102,13 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         [FULL, LINEAR, LINEAR, FULL], ["dense", "sparse", "sparse", "sparse"],
         linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
         **_TINY_K3,
+    ),
+    # AttnRes block size 4 does not divide the 6 layers (a partial last block); latent MoE without its norm
+    "tiny-k3-block4": _tiny(
+        [LINEAR, FULL, LINEAR, LINEAR, FULL, FULL], ["dense"] + ["sparse"] * 5,
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                            "use_full_rank_gate": True},
+        **{**_TINY_K3, "attn_res_block_size": 4, "latent_moe_use_norm": False},
     ),
 }
 
@@ -384,7 +391,7 @@ class KimiHybridConfig(PretrainedConfig):
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "KimiHybridConfig":
         """Named configs: "kimi-linear-48b-a3b" (the released values), "kimi-k3" (K3 text backbone), and the tiny
-        test configs "tiny-kda-first", "tiny-mla-first", "tiny-k3", "tiny-k3-softplus".
+        test configs "tiny-kda-first", "tiny-mla-first", "tiny-k3", "tiny-k3-softplus", "tiny-k3-block4".
 
         Raises:
             KeyError: for an unknown name (the message lists the known ones).

@@ -657,7 +657,9 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
             return self.self_attn(h, cache, ctx["token_mask"], ctx["cu_seqlens"])
         return self.self_attn(h, cache, ctx["mla_mask"])
 
-    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, bank: Optional[List[torch.Tensor]] = None):
+    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, *bank: torch.Tensor):
+        """Returns ``(prefix_sum or hidden state, bank)``. The AttnRes bank comes as positional tensors so that a
+        reentrant gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph)."""
         if not self.attn_res:
             h = hidden_states
             h = h + self._attn(self.input_layernorm(h), cache, ctx)
@@ -742,6 +744,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         if config.attn_res_block_size > 0:
             self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        if config.use_full_rank_gate:
+            # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time (also for AutoModel loads)
+            self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
+                "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -854,7 +860,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(h)
-            h, bank = layer(h, cache, ctx, bank)
+            h, bank = layer(h, cache, ctx, *(bank or ()))
         if self.config.attn_res_block_size > 0:
             h = attn_res_mix(h, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
                              self.config.rms_norm_eps)
@@ -899,11 +905,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         self.model = KimiHybridModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.use_full_rank_gate:
-            # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time
-            self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
-                "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
-        self.post_init()
+        self.post_init()  # gathers the child model's K3 fp32 list
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
