@@ -267,7 +267,7 @@ def train(model, train_ids: torch.Tensor, *, context: int, batch_size: int, step
             log(f"[{desc}] {per_step * 1000:.0f} ms/step -> {total} steps in a {time_budget:.0f} s budget "
                 f"(reproduce with --steps {total})")
         if step % log_every == 0 or step == total or step == 1:
-            lv = float(loss)
+            lv = float(loss.detach())
             ema = lv if ema is None else 0.9 * ema + 0.1 * lv
             rec = {"step": step, "loss": round(lv, 4), "lr": opt.param_groups[0]["lr"],
                    "grad_norm": round(float(gnorm), 3), "max_over_mean_expert_load": round(balance, 3),
@@ -330,7 +330,11 @@ def main(argv=None) -> int:
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--eval-max-windows", type=int, default=None, help="cap on held-out windows (smoke tests)")
-    p.add_argument("--samples-max-new-tokens", type=int, default=160)
+    p.add_argument("--samples-max-new-tokens", type=int, default=160, help="0 = write no samples")
+    p.add_argument("--calib-steps", type=int, default=12)
+    p.add_argument("--train-eval-windows", type=int, default=0,
+                   help="windows of the train split to evaluate (0 = as many as the held-out split has)")
+    p.add_argument("--max-shard-size", default="2GB", help="save_pretrained shard size (e.g. 15MB)")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -363,14 +367,15 @@ def main(argv=None) -> int:
     summary = train(model, train_ids, context=args.context, batch_size=args.batch_size, steps=args.steps,
                     time_budget=args.time_budget, lr=args.lr, warmup=args.warmup, min_lr_ratio=args.min_lr_ratio,
                     weight_decay=args.weight_decay, seed=args.seed, device=device, amp_dtype=amp, log=log,
-                    max_steps=args.max_steps)
+                    max_steps=args.max_steps, calib_steps=args.calib_steps)
     save_dtype = getattr(torch, args.save_dtype)
     cast_for_shipping(model, save_dtype)
     ev_amp = amp if save_dtype == torch.float32 else None
     heldout = evaluate(model, heldout_ids, args.context, args.eval_batch_size, device, ev_amp,
                        args.eval_max_windows)
     train_eval = evaluate(model, train_ids, args.context, args.eval_batch_size, device, ev_amp,
-                          args.eval_max_windows or max(1, heldout["tokens"] // (args.context - 1)))
+                          args.train_eval_windows or args.eval_max_windows
+                          or max(1, heldout["tokens"] // (args.context - 1)))
     bpt = meta.get("splits", {}).get("heldout", {}).get("bytes_per_token")
     if bpt:
         heldout["bytes_per_token"] = bpt
@@ -385,12 +390,13 @@ def main(argv=None) -> int:
         pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95, top_k=50,
         max_new_tokens=256)
     model_dir = out_dir / "model"
-    model.save_pretrained(model_dir)
-    samples = write_samples(model, tokenizer, DEFAULT_PROMPTS, device, args.seed, args.samples_max_new_tokens)
-    with open(out_dir / "samples.txt", "w", encoding="utf-8") as f:
-        for s in samples:
-            f.write(f"=== prompt ===\n{s['prompt']}\n=== sampled (T=0.8, top-p 0.95, top-k 50) ===\n"
-                    f"{s['completion']}\n=== greedy ===\n{s['greedy']}\n\n")
+    model.save_pretrained(model_dir, max_shard_size=args.max_shard_size)
+    if args.samples_max_new_tokens > 0:
+        samples = write_samples(model, tokenizer, DEFAULT_PROMPTS, device, args.seed, args.samples_max_new_tokens)
+        with open(out_dir / "samples.txt", "w", encoding="utf-8") as f:
+            for s in samples:
+                f.write(f"=== prompt ===\n{s['prompt']}\n=== sampled (T=0.8, top-p 0.95, top-k 50) ===\n"
+                        f"{s['completion']}\n=== greedy ===\n{s['greedy']}\n\n")
     metrics = {
         "seed": args.seed, "context": args.context, "batch_size": args.batch_size, "lr": args.lr,
         "warmup": args.warmup, "min_lr_ratio": args.min_lr_ratio, "weight_decay": args.weight_decay,
