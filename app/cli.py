@@ -113,6 +113,9 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
     """
     bundle = import_bundle()
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     if _read_tokenizer_class(model) == "KimiHybridTokenizer" and not trust_remote_code:
         from importlib import import_module

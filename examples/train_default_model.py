@@ -16,13 +16,17 @@ DeepSeek-V3 / Kimi (``e_score_correction_bias`` nudged towards equal load after 
 Optimisation: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only), linear warm-up then cosine decay to
 ``min_lr``, gradient clipping 1.0, fp32 master weights with bf16 autocast on CUDA (fp32 on CPU).
 
-``--steps 0`` (default) sizes the run to ``--time-budget`` seconds: the first warm-up steps are timed and the total
-is fixed from them (the warm-up does not depend on the total, so the run equals ``--steps N`` with the N it
-printed). The saved folder holds bf16 weights (``A_log``, ``dt_bias`` and the router bias stay fp32), config.json,
-generation_config.json and ``train_metrics.json``.
+``--steps 0`` (default) sizes the run to ``--time-budget`` seconds, not counting the first two steps (their
+start-up cost on a fresh GPU machine was minutes once): warm-up steps 3..``--calib-steps`` are timed and the total is
+fixed from them. The warm-up does not depend on the total, so the run equals ``--steps N`` with the N it logs.
+
+``--out`` becomes the shipped model folder (the layout of ``models/kimi-hybrid-stdlib``): config.json,
+generation_config.json, bf16 safetensors (``A_log``, ``dt_bias`` and the router bias stay fp32), the tokenizer files
+and ``tokenization_kimi_hybrid.py``, ``train_metrics.json``, ``samples.txt`` and a model card README.md written
+from the metrics.
 
 Usage (GPU, a few minutes):
-  python examples/train_default_model.py --data data --out out/kimi-hybrid-stdlib --time-budget 180
+  python examples/train_default_model.py --data data --out models/kimi-hybrid-stdlib --time-budget 180
 CPU smoke test:
   python examples/train_default_model.py --steps 3 --context 128 --batch-size 2 --device cpu --out /tmp/m
 """
@@ -222,8 +226,9 @@ def train(model, train_ids: torch.Tensor, *, context: int, batch_size: int, step
           lr: float, warmup: int, min_lr_ratio: float, weight_decay: float, seed: int, device: torch.device,
           amp_dtype: Optional[torch.dtype], log: Callable[[str], None], max_steps: int = 100000,
           calib_steps: int = 12, log_every: int = 25, desc: str = "train") -> Dict[str, Any]:
-    """Train in place. ``steps > 0``: exactly that many; ``steps == 0``: time the first ``calib_steps`` warm-up
-    steps and fix the total so the whole run takes about ``time_budget`` seconds (capped at ``max_steps``).
+    """Train in place. ``steps > 0``: exactly that many; ``steps == 0``: time warm-up steps 3..``calib_steps`` and
+    fix the total so that the steps after the first two take about ``time_budget`` seconds (capped at
+    ``max_steps``).
     Returns a summary (steps, tokens, seconds, loss curve)."""
     if steps == 0 and calib_steps >= warmup:
         raise ValueError(f"calib_steps={calib_steps} must be < warmup={warmup} (the total is fixed during warm-up)")
@@ -258,8 +263,10 @@ def train(model, train_ids: torch.Tensor, *, context: int, batch_size: int, step
         if steps == 0 and step == calib_steps:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            per_step = (time.perf_counter() - t_calib) / (calib_steps - 2)
-            spent = time.perf_counter() - t0
+            spent = time.perf_counter() - t_calib
+            per_step = spent / (calib_steps - 2)
+            # the budget starts after the first two steps: their one-off start-up cost (CUDA context, library
+            # loading, which took minutes on a fresh machine) does not shorten the training
             total = int(max(calib_steps + 1, min(max_steps, (time_budget - spent) / per_step + calib_steps)))
             total = max(total, warmup + 1)
             bar.total = total
@@ -311,11 +318,110 @@ def write_samples(model, tokenizer, prompts: Iterable[str], device: torch.device
     return out
 
 
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_model_folder(model, tokenizer, out_dir: Path, max_shard_size: str = "2GB",
+                      copy_tokenizer: bool = True) -> None:
+    """Write the shipped layout: config.json (without the model ``auto_map``: the bundle code is not in this
+    folder, the installed package provides it; ``kimi_hybrid.app.hub`` makes self-contained Hub folders),
+    generation_config.json, safetensors weights, and the tokenizer files + ``tokenization_kimi_hybrid.py`` (so
+    ``AutoTokenizer.from_pretrained(folder, trust_remote_code=True)`` works)."""
+    import shutil
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in list(out_dir.glob("model*.safetensors")) + list(out_dir.glob("model.safetensors.index.json")):
+        old.unlink()
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    for f in out_dir.glob("*_kimi_hybrid.py"):  # copied by save_pretrained for auto_map; not shipped here
+        f.unlink()
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg.pop("auto_map", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if copy_tokenizer:
+        src = Path(tokenizer.vocab_file).resolve().parent
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file() and (src / name).resolve() != (out_dir / name).resolve():
+                shutil.copyfile(src / name, out_dir / name)
+        tok_py = ROOT / "modeling_kimi_hybrid" / "tokenization_kimi_hybrid.py"
+        shutil.copyfile(tok_py, out_dir / tok_py.name)
+
+
+def model_card(config, metrics: Dict[str, Any], samples: List[Dict[str, str]]) -> str:
+    """The model card of the embedded model, written from the training metrics."""
+    p, h, tr = metrics["params"], metrics["heldout"], metrics["train"]
+    kinds = ["KDA" if t == KDA else "MLA" for t in config.layer_types]
+    meta = metrics.get("data_meta", {}).get("splits", {})
+    n_train, n_held = meta.get("train", {}), meta.get("heldout", {})
+    lines = [
+        "---", "library_name: transformers", "license: mit", "pipeline_tag: text-generation",
+        "tags:", "- kimi-hybrid", "- kda", "- mla", "- moe", "- code", "---", "",
+        "# kimi-hybrid-stdlib", "",
+        "The embedded default model of kimi-hybrid: a small KimiHybrid (Kimi Linear architecture: Kimi Delta "
+        "Attention + NoPE MLA + MoE) trained from scratch on the CPython standard library sources. It completes "
+        "Python-like code; it is a demonstration of the architecture and the tooling, not an assistant.", "",
+        "## Architecture", "",
+        "| | |", "|---|---|",
+        f"| parameters | {p['total']:,} total, {p['active_per_token']:,} active per token "
+        f"({p['embeddings_and_head']:,} in the embedding + LM head) |",
+        f"| layers | {config.num_hidden_layers}: `{' '.join(kinds)}` (3:1 KDA:MLA) |",
+        f"| hidden size | {config.hidden_size} |",
+        f"| KDA | {config.linear_num_heads} heads x {config.linear_head_dim}, short conv "
+        f"{config.linear_conv_kernel_size}, fp32 state {config.linear_head_dim}x{config.linear_head_dim} per head |",
+        f"| MLA (NoPE) | {config.num_attention_heads} heads, nope {config.qk_nope_head_dim} / rope "
+        f"{config.qk_rope_head_dim} / v {config.v_head_dim}, kv_lora_rank {config.kv_lora_rank} |",
+        f"| MLP | layer 0 dense SiLU-GLU ({config.intermediate_size}); layers 1-{config.num_hidden_layers - 1} MoE: "
+        f"{config.num_experts} routed experts ({config.moe_intermediate_size} wide) top-"
+        f"{config.num_experts_per_token} + {config.num_shared_experts} shared, sigmoid router with the "
+        f"auxiliary-loss-free balancing bias |",
+        f"| vocabulary | {config.vocab_size} = 8192 byte-level BPE ranks + 256 Kimi special tokens "
+        f"(`tiktoken.model`, Kimi chat template) |",
+        f"| weights | {metrics['save_dtype']} safetensors (`A_log`, `dt_bias`, router bias in fp32) |", "",
+        "## Data", "",
+        "The `.py` files of the CPython "
+        f"{metrics.get('data_meta', {}).get('python_version', '3.11')} standard library (no test suites), split "
+        "into train and held-out **by module** (see `corpus_manifest.json`): "
+        f"{n_train.get('num_files', '?')} train files ({n_train.get('num_text_tokens', 0):,} tokens), "
+        f"{n_held.get('num_files', '?')} held-out files ({n_held.get('num_text_tokens', 0):,} tokens, modules "
+        "colorsys, contextlib, inspect, logging, multiprocessing, plistlib, sysconfig, tarfile, tokenize). Files "
+        "are joined with [EOS]. Licence of the data: Python Software Foundation License (PSF-2.0).", "",
+        "## Training", "",
+        f"`{metrics.get('command', 'python examples/train_default_model.py')}` on {metrics['device']} "
+        f"(torch {metrics['torch']}): seed {metrics['seed']}, context {metrics['context']}, batch "
+        f"{metrics['batch_size']}, {tr['steps']} steps ({tr['tokens']:,} tokens, {tr['seconds']} s), AdamW "
+        f"(lr {metrics['lr']}, betas 0.9/0.95, weight decay {metrics['weight_decay']}), {metrics['warmup']} warm-up "
+        f"steps then cosine to {metrics['min_lr_ratio']} x lr, bf16 autocast on CUDA, gradient clipping 1.0.", "",
+        "## Evaluation", "",
+        f"Held-out next-token loss over every non-overlapping window of {h['context']} tokens "
+        f"({h['tokens']:,} predicted tokens), with the shipped {metrics['save_dtype']} weights:", "",
+        "| split | loss (nats/token) | perplexity | bits per byte |", "|---|---|---|---|",
+        f"| held-out | {h['loss']:.4f} | {h['ppl']:.2f} | "
+        f"{h.get('bits_per_byte', float('nan')):.4f} ({h.get('bytes_per_token', '?')} bytes/token) |",
+        f"| train (same number of windows) | {metrics['train_eval']['loss']:.4f} | "
+        f"{metrics['train_eval']['ppl']:.2f} | |", "",
+        "## Usage", "",
+        "```bash", "kimi-hybrid generate --prompt 'def fibonacci(n):' --max-new-tokens 128", "```", "",
+        "```python", "import kimi_hybrid  # registers the classes (or use `kimi-hybrid export` for a "
+        "trust_remote_code folder)", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+        'tok = AutoTokenizer.from_pretrained("models/kimi-hybrid-stdlib", trust_remote_code=True)',
+        'model = AutoModelForCausalLM.from_pretrained("models/kimi-hybrid-stdlib")', "```", "",
+    ]
+    if samples:
+        lines += ["## Samples (seeded, temperature 0.8, top-p 0.95, top-k 50)", ""]
+        for s in samples[:2]:
+            lines += ["```python", s["prompt"] + s["completion"], "```", ""]
+    lines += ["Files: `train_metrics.json` (the full training record and loss curve)"
+              + (", `samples.txt`." if samples else ".")]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(ROOT / "data"), help="folder with train_ids.npy, heldout_ids.npy")
     p.add_argument("--tokenizer", default=str(ROOT / "models" / "kimi-hybrid-stdlib"))
-    p.add_argument("--out", default=str(ROOT / "out" / "kimi-hybrid-stdlib"))
+    p.add_argument("--out", default=str(ROOT / "out" / "kimi-hybrid-stdlib"),
+                   help="the model folder to write (the layout of models/kimi-hybrid-stdlib)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=16)
@@ -334,7 +440,11 @@ def main(argv=None) -> int:
     p.add_argument("--calib-steps", type=int, default=12)
     p.add_argument("--train-eval-windows", type=int, default=0,
                    help="windows of the train split to evaluate (0 = as many as the held-out split has)")
+    p.add_argument("--no-cudnn", action="store_true",
+                   help="run the depthwise short convs without cuDNN (its first call on a fresh machine can be slow)")
     p.add_argument("--max-shard-size", default="2GB", help="save_pretrained shard size (e.g. 15MB)")
+    p.add_argument("--no-tokenizer-files", action="store_true",
+                   help="do not copy the tokenizer files (and tokenization_kimi_hybrid.py) into --out")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -343,6 +453,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        if args.no_cudnn:
+            torch.backends.cudnn.enabled = False
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "train_log.txt"
@@ -389,8 +501,8 @@ def main(argv=None) -> int:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, do_sample=True, temperature=0.8, top_p=0.95, top_k=50,
         max_new_tokens=256)
-    model_dir = out_dir / "model"
-    model.save_pretrained(model_dir, max_shard_size=args.max_shard_size)
+    save_model_folder(model, tokenizer, out_dir, args.max_shard_size, copy_tokenizer=not args.no_tokenizer_files)
+    samples = []
     if args.samples_max_new_tokens > 0:
         samples = write_samples(model, tokenizer, DEFAULT_PROMPTS, device, args.seed, args.samples_max_new_tokens)
         with open(out_dir / "samples.txt", "w", encoding="utf-8") as f:
@@ -404,9 +516,12 @@ def main(argv=None) -> int:
         "curve": summary["curve"], "heldout": heldout, "train_eval": train_eval,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "data_meta": meta,
+        "command": "python examples/train_default_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     (out_dir / "train_metrics.json").write_text(json.dumps(metrics, indent=1))
-    log(f"saved {model_dir} ({sum(f.stat().st_size for f in model_dir.iterdir()) / 1e6:.1f} MB)")
+    (out_dir / "README.md").write_text(model_card(model.config, metrics, samples), encoding="utf-8")
+    size = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file() and f.name != "train_log.txt")
+    log(f"saved {out_dir} ({size / 1e6:.1f} MB)")
     log_f.close()
     return 0
 

@@ -25,7 +25,8 @@ from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "models" / "kimi-hybrid-stdlib"
-HAS_WEIGHTS = (EMBEDDED / "model.safetensors").is_file() and (EMBEDDED / "config.json").is_file()
+HAS_WEIGHTS = (EMBEDDED / "config.json").is_file() and any(
+    (EMBEDDED / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -34,7 +34,8 @@ from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "modeling_kimi_hybrid"
 EMBEDDED = ROOT / "models" / "kimi-hybrid-stdlib"
-HAS_WEIGHTS = (EMBEDDED / "model.safetensors").is_file()
+HAS_WEIGHTS = (EMBEDDED / "config.json").is_file() and any(
+    (EMBEDDED / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
 PROMPT = "def greet(name):\n    return f'hello {name}'\n"
 
 
@@ -197,9 +198,14 @@ def test_embedded_model_folder():
     """The shipped folder: weights + config + tokenizer + card, < 30 MB, vocab == len(tokenizer), and the copied
     tokenizer file is the bundle's (so AutoTokenizer with trust_remote_code loads the same class)."""
     files = {p.name: p.stat().st_size for p in EMBEDDED.iterdir() if p.is_file()}
-    for name in ("config.json", "generation_config.json", "model.safetensors", "README.md", "tiktoken.model",
-                 "tokenizer_config.json", "tokenization_kimi_hybrid.py"):
+    for name in ("config.json", "generation_config.json", "README.md", "tiktoken.model", "tokenizer_config.json",
+                 "tokenization_kimi_hybrid.py"):
         assert name in files, name
+    if "model.safetensors.index.json" in files:
+        shards = set(json.loads((EMBEDDED / "model.safetensors.index.json").read_text())["weight_map"].values())
+        assert shards <= set(files), shards - set(files)
+    else:
+        assert "model.safetensors" in files
     assert sum(files.values()) < 30e6
     assert (EMBEDDED / "tokenization_kimi_hybrid.py").read_bytes() == (BUNDLE / "tokenization_kimi_hybrid.py"
                                                                       ).read_bytes(), (
