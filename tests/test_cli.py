@@ -181,3 +181,13 @@ def test_embedded_model_generates_python():
     n_mla = cfg["layer_types"].count("full_attention")
     per_tok = n_mla * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # fp32 on CPU
     assert rows["MLA latent"] == rows["tokens"] * per_tok
+
+
+def test_export_writes_a_complete_hub_folder(tiny_dir, tmp_path, capsys):
+    from app import hub
+
+    out = tmp_path / "export"
+    assert cli.main(["export", "--model", str(tiny_dir), "--out", str(out), "--repo-id", "me/tiny",
+                     "--device", "cpu"]) == 0
+    assert hub.missing_files(out) == []
+    assert json.loads((out / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
