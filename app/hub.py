@@ -1,0 +1,209 @@
+"""Hugging Face Hub folders for KimiHybrid models: a self-contained bundle that loads with ``trust_remote_code``.
+
+:func:`prepare_hub_folder` writes everything a user of the Hub needs, into one flat folder:
+
+* ``config.json`` with ``auto_map`` (``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` -> the bundle files),
+  ``generation_config.json`` and the weights (``model.safetensors``, or shards + ``model.safetensors.index.json``);
+* the bundle code, flat and with relative imports only: every ``*_kimi_hybrid.py`` file of the model package
+  (configuration, modeling, cache, KDA kernels, tokenizer);
+* the tokenizer files (``tiktoken.model`` and ``tokenizer_config.json`` with its own ``auto_map`` and the
+  special-token names);
+* a model card ``README.md`` (Hub metadata + architecture + usage), unless one is given or found next to the
+  source weights.
+
+:func:`push` prepares such a folder in a temporary directory, checks it with :func:`missing_files`, and uploads it
+with ``huggingface_hub.HfApi.create_repo`` + ``upload_folder``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+BUNDLE_GLOB = "*_kimi_hybrid.py"
+BUNDLE_REQUIRED = ("configuration_kimi_hybrid.py", "modeling_kimi_hybrid.py", "cache_kimi_hybrid.py",
+                   "kda_kimi_hybrid.py", "tokenization_kimi_hybrid.py")
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")  # transformers 5 writes no special_tokens_map.json
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_hybrid.KimiHybridConfig",
+    "AutoModel": "modeling_kimi_hybrid.KimiHybridModel",
+    "AutoModelForCausalLM": "modeling_kimi_hybrid.KimiHybridForCausalLM",
+}
+TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi_hybrid.KimiHybridTokenizer", None]}
+
+
+def bundle_dir(model) -> Path:
+    """The folder of the model package's source files (where ``modeling_kimi_hybrid.py`` of ``model`` lives)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return Path(inspect.getfile(type(base))).resolve().parent
+
+
+def bundle_files(model) -> List[Path]:
+    """Every flat ``*_kimi_hybrid.py`` bundle file next to the model's class. Raises FileNotFoundError naming any
+    required file that is missing."""
+    folder = bundle_dir(model)
+    files = sorted(folder.glob(BUNDLE_GLOB))
+    missing = [n for n in BUNDLE_REQUIRED if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"bundle files {missing} are missing from {folder}")
+    return files
+
+
+def missing_files(folder: Union[str, Path]) -> List[str]:
+    """The files a user needs that ``folder`` lacks (empty list = complete): config.json (with ``auto_map`` for
+    AutoConfig and AutoModelForCausalLM), weights (``model.safetensors`` or an index with every shard),
+    generation_config.json, the bundle .py files, the tokenizer files (tokenizer_config.json with an AutoTokenizer
+    ``auto_map``) and README.md."""
+    folder = Path(folder)
+    missing: List[str] = []
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        missing.append("config.json")
+    else:
+        amap = json.loads(cfg.read_text(encoding="utf-8")).get("auto_map") or {}
+        for key in ("AutoConfig", "AutoModelForCausalLM"):
+            if key not in amap:
+                missing.append(f"config.json:auto_map.{key}")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        missing += [s for s in sorted(shards) if not (folder / s).is_file()]
+    elif not (folder / "model.safetensors").is_file():
+        missing.append("model.safetensors")
+    for name in ("generation_config.json", "README.md", *BUNDLE_REQUIRED, *TOKENIZER_FILES):
+        if not (folder / name).is_file():
+            missing.append(name)
+    tcfg = folder / "tokenizer_config.json"
+    if tcfg.is_file() and "AutoTokenizer" not in (json.loads(tcfg.read_text(encoding="utf-8")).get("auto_map") or {}):
+        missing.append("tokenizer_config.json:auto_map.AutoTokenizer")
+    return missing
+
+
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def model_card(model, repo_id: Optional[str] = None, license: str = "mit", extra: str = "") -> str:
+    """A model card: Hub metadata, the layer plan, parameter counts, the cache formula and a usage snippet."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    cfg = model.config
+    n_total = sum(p.numel() for p in model.parameters())
+    kinds = ["KDA" if t == "linear_attention" else "MLA" for t in cfg.layer_types]
+    n_kda, n_mla = kinds.count("KDA"), kinds.count("MLA")
+    lat = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    H, K = cfg.linear_attn_config["num_heads"], cfg.linear_attn_config["head_dim"]
+    name = repo_id or "path/to/this/folder"
+    data = ModelCardData(library_name="transformers", license=license, pipeline_tag="text-generation",
+                         tags=["kimi-hybrid", "kimi-linear", "kda", "mla", "moe", "custom_code"])
+    experts = (f"{cfg.num_experts} routed experts (top-{cfg.num_experts_per_token}) + {cfg.num_shared_experts} shared"
+               if "sparse" in cfg.mlp_layer_types else "dense MLPs")
+    body = f"""
+# {repo_id.split('/')[-1] if repo_id else 'KimiHybrid model'}
+
+A kimi-hybrid model: Kimi Delta Attention (KDA) layers interleaved with NoPE Multi-head
+Latent Attention (MLA) layers and Mixture-of-Experts MLPs, the architecture of Kimi-Linear-48B-A3B.
+
+| | |
+|---|---|
+| parameters | {_fmt_params(n_total)} ({n_total:,}) |
+| layers | {cfg.num_hidden_layers}: {n_kda} KDA + {n_mla} MLA (`{' '.join(kinds)}`) |
+| hidden size | {cfg.hidden_size} |
+| KDA | {H} heads x {K}, short conv {cfg.linear_attn_config['short_conv_kernel_size']}, fp32 state {K}x{K} per head |
+| MLA | {cfg.num_attention_heads} heads, nope {cfg.qk_nope_head_dim} / rope {cfg.qk_rope_head_dim} / v {cfg.v_head_dim}, kv_lora_rank {cfg.kv_lora_rank} (NoPE) |
+| MLP | {experts}; layer types `{' '.join(cfg.mlp_layer_types)}` |
+| vocabulary | {cfg.vocab_size} |
+
+Decoding cache per sequence: the {n_kda} KDA layers hold a constant conv window + fp32 recurrent state, the {n_mla}
+MLA layers {lat} latent values per token each (`KimiHybridCache.memory_report()` gives the exact bytes).
+
+## Usage
+
+The modeling code ships in this folder, so only `torch`, `transformers` (>= 5.17) and `tiktoken` are needed:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95)
+print(tok.decode(out[0][ids.shape[1]:]))
+```
+
+`model.generate(..., return_dict_in_generate=True).past_key_values` is the `KimiHybridCache`; its
+`memory_report()` gives the bytes per layer type.
+
+With the `kimi-hybrid` package installed: `kimi-hybrid generate --model {name} --prompt "def fibonacci(n):"`.
+{extra}"""
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
+
+
+def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Optional[str] = None,
+                       card: Optional[str] = None, max_shard_size: Union[int, str] = "2GB",
+                       safe_serialization: bool = True) -> Path:
+    """Write a self-contained Hub folder for ``model`` + ``tokenizer`` into ``out_dir`` and return its path.
+
+    ``card``: the README.md text; default: the README.md next to the model's source weights if there is one
+    (``model.name_or_path``), else :func:`model_card`. Raises FileNotFoundError if the result misses a file
+    (see :func:`missing_files`).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.save_pretrained(out, max_shard_size=max_shard_size)
+    # the auto_map and the bundle files are written explicitly: save_pretrained only copies the code of classes
+    # registered with register_for_auto_class, and only the files the class's module imports
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    cfg["auto_map"] = dict(AUTO_MAP)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for f in bundle_files(base):
+        shutil.copyfile(f, out / f.name)
+    if not (out / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tcfg_path = out / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
+    tcfg["auto_map"] = dict(TOKENIZER_AUTO_MAP)
+    tcfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if card is None:
+        src = Path(str(getattr(base, "name_or_path", "") or "")) / "README.md"
+        card = src.read_text(encoding="utf-8") if src.is_file() else model_card(base, repo_id)
+    (out / "README.md").write_text(card, encoding="utf-8")
+    missing = missing_files(out)
+    if missing:
+        raise FileNotFoundError(f"the Hub folder {out} is incomplete: {missing}")
+    return out
+
+
+def push(model, tokenizer, repo_id: str, private: bool = False, token: Optional[str] = None,
+         commit_message: str = "Upload KimiHybrid model", card: Optional[str] = None,
+         revision: Optional[str] = None, **upload_kwargs: Any) -> str:
+    """Prepare the folder (temporary directory) and upload it to ``repo_id`` on the Hub; returns the commit URL.
+
+    Calls ``HfApi.create_repo(repo_id, private=..., exist_ok=True)`` then ``HfApi.upload_folder`` with the whole
+    folder in one commit.
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory(prefix="kimi-hybrid-hub-") as tmp:
+        folder = prepare_hub_folder(model, tokenizer, Path(tmp) / "bundle", repo_id=repo_id, card=card)
+        api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                                 commit_message=commit_message, revision=revision, **upload_kwargs)
+    return str(getattr(info, "commit_url", info))
+
+
+def describe(folder: Union[str, Path]) -> Dict[str, Any]:
+    """File names and sizes of a prepared folder (used by the CLI and tests)."""
+    folder = Path(folder)
+    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}

@@ -1,0 +1,193 @@
+"""Tests of the ``kimi-hybrid`` CLI (app/cli.py): generate / chat in a subprocess on a tiny random model saved in a
+temporary folder, the memory-report table, model resolution, and (when its weights are in the checkout) the
+embedded stdlib model. CPU only, no network.
+
+The subprocesses run ``python -m app.cli`` from the repository root so that the code of THIS checkout is tested
+(the installed ``kimi_hybrid`` may point at another checkout); ``python -m kimi_hybrid.app.cli`` is tested only when
+the installed package is this checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import cli
+from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED = ROOT / "models" / "kimi-hybrid-stdlib"
+HAS_WEIGHTS = (EMBEDDED / "config.json").is_file() and any(
+    (EMBEDDED / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tiny_model(tokenizer) -> KimiHybridForCausalLM:
+    """A 4-layer random model (KDA, KDA, KDA, MLA; dense + MoE) over the shipped tokenizer's vocabulary."""
+    cfg = KimiHybridConfig.from_preset(
+        "tiny-kda-first", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    return KimiHybridForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return KimiHybridTokenizer.from_pretrained(str(EMBEDDED))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tokenizer) -> Path:
+    out = tmp_path_factory.mktemp("tiny-kimi")
+    tiny_model(tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def run_cli(*args: str, stdin: str = "", env_extra=None, module: str = "app.cli", timeout: int = 240):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def parse_table(text: str) -> dict:
+    """``{row name: bytes}`` from the printed memory table, plus ``tokens``."""
+    m = re.search(r"cache memory \(KimiHybridCache\.memory_report\): (\d+) tokens, batch (\d+)", text)
+    assert m, text
+    rows = {"tokens": int(m.group(1)), "batch": int(m.group(2))}
+    for name in ("KDA conv + fp32 state", "MLA latent", "key-padding mask", "total"):
+        r = re.search(re.escape(name) + r"\s+\S+\s+([\d,]+)", text)
+        assert r, f"row {name!r} missing from:\n{text}"
+        rows[name] = int(r.group(1).replace(",", ""))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# in-process
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_memory_table_matches_memory_report(tokenizer):
+    model = tiny_model(tokenizer)
+    cache = KimiHybridCache(model.config)
+    ids = tokenizer("def f(x):\n    return x", return_tensors="pt").input_ids
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    rep = cache.memory_report()
+    rows = parse_table(cli.format_memory_report(rep))
+    assert rows["tokens"] == ids.shape[1] and rows["batch"] == 1
+    assert rows["KDA conv + fp32 state"] == rep["kda_bytes"] > 0
+    assert rows["MLA latent"] == rep["mla_bytes"] == ids.shape[1] * rep["mla_bytes_per_token"]
+    assert rows["total"] == rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"]
+
+
+def test_parser_options():
+    p = cli.build_parser()
+    a = p.parse_args(["generate", "--prompt", "x", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "7",
+                      "--max-new-tokens", "3", "--seed", "4", "--greedy", "--device", "cpu", "--dtype", "float32"])
+    assert (a.temperature, a.top_p, a.top_k, a.max_new_tokens, a.seed, a.greedy) == (0.5, 0.9, 7, 3, 4, True)
+    kw = cli.generation_kwargs(a, type("T", (), {"pad_token_id": 0})())
+    assert kw["do_sample"] is False
+    a = p.parse_args(["chat", "--model", "some/repo"])
+    assert a.model == "some/repo" and a.func is cli.cmd_chat
+    kw = cli.generation_kwargs(a, type("T", (), {"pad_token_id": 0})())
+    assert kw["do_sample"] is True and kw["top_k"] == 50
+    with pytest.raises(SystemExit):
+        p.parse_args([])
+
+
+def test_default_model_resolution(monkeypatch, tmp_path):
+    monkeypatch.delenv(cli.ENV_DEFAULT_MODEL, raising=False)
+    assert cli.default_model_path() == EMBEDDED
+    monkeypatch.setenv(cli.ENV_DEFAULT_MODEL, str(tmp_path))
+    with pytest.raises(SystemExit, match="embedded model was not found"):
+        cli.resolve_model(None)
+    assert cli.resolve_model(str(tmp_path)) == str(tmp_path)
+    assert cli.resolve_model("org/some-repo") == "org/some-repo"  # not a local path: a Hub repo id
+    assert str(cli.pick_dtype("auto", "cpu")) == "torch.float32"
+    assert str(cli.pick_dtype("auto", "cuda")) == "torch.bfloat16"
+
+
+def test_generate_in_process_seeded(tiny_dir, capsys):
+    args = ["generate", "--model", str(tiny_dir), "--prompt", "import os\n", "--max-new-tokens", "6", "--seed", "3",
+            "--device", "cpu", "--no-memory-report"]
+    assert cli.main(args) == 0
+    first = capsys.readouterr().out
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == first  # same seed, same sample
+    assert cli.main(args[:-1] + ["--no-stream"]) == 0
+    assert capsys.readouterr().out.startswith(first.rstrip("\n")[:1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# subprocess
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_generate_subprocess_streams_and_reports(tiny_dir, tokenizer):
+    prompt = "def add(a, b):\n"
+    r = run_cli("generate", "--model", str(tiny_dir), "--prompt", prompt, "--max-new-tokens", "5", "--greedy",
+                "--device", "cpu", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    rows = parse_table(r.stdout)
+    n_prompt = len(tokenizer(prompt).input_ids)
+    # the last sampled token is never fed back, so the cache holds prompt + new - 1 tokens (or fewer on EOS)
+    assert n_prompt <= rows["tokens"] <= n_prompt + 4
+    cfg = json.loads((tiny_dir / "config.json").read_text())
+    n_mla = cfg["layer_types"].count("full_attention")
+    assert rows["MLA latent"] == rows["tokens"] * n_mla * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    text_before_table = r.stdout.split("cache memory")[0]
+    assert text_before_table.endswith("\n")
+
+
+def test_chat_subprocess(tiny_dir):
+    r = run_cli("chat", "--model", str(tiny_dir), "--max-new-tokens", "4", "--temperature", "0.7", "--top-k", "5",
+                "--system", "You are terse.", "--device", "cpu", stdin="hello\n/reset\nwhat is 2+2?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("assistant> ") == 2
+    rows = parse_table(r.stdout)
+    assert rows["tokens"] > 4
+
+
+def test_installed_module_entry_point():
+    """``python -m kimi_hybrid.app.cli`` (the console script's module) when the installed package is this checkout."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kimi_hybrid.app")
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().parent != ROOT / "app":
+        pytest.skip("the installed kimi_hybrid package does not point at this checkout")
+    r = run_cli("generate", "--help", module="kimi_hybrid.app.cli")
+    assert r.returncode == 0 and "--max-new-tokens" in r.stdout
+
+
+@pytest.mark.skipif(not HAS_WEIGHTS, reason="the embedded model's weights are not in this checkout")
+def test_embedded_model_generates_python():
+    r = run_cli("generate", "--prompt", "def fibonacci(n):\n", "--max-new-tokens", "48", "--greedy",
+                "--device", "cpu", env_extra={cli.ENV_DEFAULT_MODEL: ""})
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.split("cache memory")[0]
+    assert len(text.strip()) > 20
+    # Python-ish: indentation and at least one keyword or call
+    assert re.search(r"\b(return|if|for|def|self|else|in)\b", text), text
+    rows = parse_table(r.stdout)
+    cfg = json.loads((EMBEDDED / "config.json").read_text())
+    n_mla = cfg["layer_types"].count("full_attention")
+    per_tok = n_mla * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4  # fp32 on CPU
+    assert rows["MLA latent"] == rows["tokens"] * per_tok
+
+
+def test_export_writes_a_complete_hub_folder(tiny_dir, tmp_path, capsys):
+    from app import hub
+
+    out = tmp_path / "export"
+    assert cli.main(["export", "--model", str(tiny_dir), "--out", str(out), "--repo-id", "me/tiny",
+                     "--device", "cpu"]) == 0
+    assert hub.missing_files(out) == []
+    assert json.loads((out / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
