@@ -115,7 +115,7 @@ def parity(ours, native, ids):
             "argmax_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
 
 
-def bench_one(name, model, cfg, args, device, deadline):
+def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None):
     from peft import get_peft_model
 
     from app.lora import enable_gradient_checkpointing, recommended_lora_config
@@ -143,12 +143,16 @@ def bench_one(name, model, cfg, args, device, deadline):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    out = {"trainable_params": sum(p.numel() for p in trainable), "weights_GiB": weights}
+    out = {"trainable_params": sum(p.numel() for p in trainable), "weights_GiB": weights,
+           "status": "in the untimed warm-up steps (cold Triton autotuning happens here)"}
+    progress(out)
     t0 = time.perf_counter()
     for _ in range(args.warmup):
         out["first_loss"] = step()
     sync()
     out["warmup_s"] = round(time.perf_counter() - t0, 3)
+    out["status"] = "timing"
+    progress(out)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -166,6 +170,7 @@ def bench_one(name, model, cfg, args, device, deadline):
                    tokens_per_s=round(args.batch * args.seq_len / med, 1))
     if device.type == "cuda":
         out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    out["status"] = "done"
     del opt, trainable
     pm.unload()  # remove the LoRA wrappers, keep the (shared) base weights
     del pm
@@ -259,7 +264,11 @@ def main(argv=None):
             result[name] = {"skipped": "time budget"}
             continue
         try:
-            result[name] = bench_one(name, models[name], cfg, args, device, deadline)
+            def progress(d, name=name):
+                result[name] = d
+                dump()
+
+            result[name] = bench_one(name, models[name], cfg, args, device, deadline, progress)
         except Exception as e:  # noqa: BLE001  (keep the other model's numbers)
             result[name] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
         print(name, json.dumps(result[name]), flush=True)
