@@ -515,3 +515,22 @@ def test_bench_script_cpu_smoke(tmp_path):
     assert res["ours"]["trainable_params"] == res["native"]["trainable_params"] > 0
     assert abs(res["ours"]["first_loss"] - res["native"]["first_loss"]) <= 1e-4
     assert json.loads((tmp_path / "b.json").read_text())["ours"]["tokens_per_s"] > 0
+
+
+def test_merged_adapter_exports_to_released_layout(tmp_path):
+    """The serving path of docs/serving.md: adapter -> merge_and_save (our layout) -> export to the released
+    Kimi-Linear layout -> transformers' native kimi_linear loads it (no remote code) with the same logits
+    (max abs diff <= 1e-4, fp32)."""
+    conv = pytest.importorskip("conversion.convert")
+    if not hasattr(conv, "convert_checkpoint"):
+        pytest.skip("the checkpoint converter is not in this checkout")
+    pm = lora(tiny("tiny-kda-first", initializer_range=0.1), seed=5)
+    merged = merge_and_save(pm, str(tmp_path / "merged"))
+    conv.convert_checkpoint(str(tmp_path / "merged"), str(tmp_path / "released"), src_format="ours",
+                            dst_format="released")
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "released")
+    assert type(native).__name__ == "KimiLinearForCausalLM"
+    x = torch.tensor([[5, 17, 33, 42, 61, 7, 9, 11]])
+    with torch.no_grad():
+        d = (merged(input_ids=x).logits - native(input_ids=x).logits).abs().max().item()
+    assert d <= 1e-4
