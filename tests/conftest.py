@@ -1,10 +1,4 @@
-"""Test set-up: import the bundle from *this* checkout.
-
-The system may have ``kimi_hybrid`` installed editable from another checkout; the tests must exercise the files next
-to them. Putting the repository root first on ``sys.path`` makes ``import modeling_kimi_hybrid`` (the bundle folder;
-its ``__init__`` registers the classes with the Auto classes), ``import app`` and ``import examples.<name>`` resolve
-here.
-"""
+"""Shared pytest setup: import the bundle from THIS checkout (not an installed copy elsewhere)."""
 
 from __future__ import annotations
 
@@ -12,7 +6,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if str(ROOT) not in sys.path or sys.path[0] != str(ROOT):
     sys.path.insert(0, str(ROOT))
 
-import modeling_kimi_hybrid  # noqa: E402,F401  (registers KimiHybridConfig / KimiHybridForCausalLM)
+import modeling_kimi_hybrid  # noqa: E402,F401  (registers the classes with the Auto classes)
+
+assert Path(modeling_kimi_hybrid.__file__).resolve().parent == ROOT / "modeling_kimi_hybrid", (
+    f"tests must import the bundle of this checkout, got {modeling_kimi_hybrid.__file__}")
