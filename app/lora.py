@@ -46,7 +46,10 @@ Fast paths with an adapter (checked in ``tests/test_lora.py``):
 * Routed experts read ``gate_up_proj`` / ``down_proj`` once per forward through the module attribute, which is
   where PEFT's ``ParamWrapper`` (a ``torch.nn.utils.parametrize`` parametrisation) returns ``W + B A``; the GPU
   grouped-GEMM path reads the same tensors.
-* The KDA conv kernels are read directly too, but they are never LoRA targets (above).
+* The KDA conv kernels are read directly too, but they are never LoRA targets (above). Likewise K3's AttnRes
+  projections (``self_attention_res_proj``, ``mlp_res_proj``, ``output_attn_res_proj``, ``[1, D]``) are read as
+  weights by the depth-softmax, so a LoRA wrapper on them would be bypassed; :func:`check_lora_targets` refuses
+  them.
 
 Training notes. ``lora_dropout`` must be 0 when the experts are targeted (a PEFT restriction of
 ``target_parameters``); use weight decay instead. Gradient checkpointing works with ``use_reentrant=False``
@@ -94,7 +97,8 @@ EXPERT_PARAMETERS: Tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.d
 #: the KDA gate projections (opt-in). ``g_proj`` is K3's full-rank KDA output gate and also K3's MLA output gate.
 KDA_GATE_MODULES: Tuple[str, ...] = ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "g_proj")
 #: module-name suffixes that must never be wrapped (see the module docstring)
-NEVER_TARGET: Tuple[str, ...] = ("q_conv1d", "k_conv1d", "v_conv1d", "gate", "lm_head", "embed_tokens")
+NEVER_TARGET: Tuple[str, ...] = ("q_conv1d", "k_conv1d", "v_conv1d", "gate", "lm_head", "embed_tokens",
+                                  "self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj")
 
 _ATTN_SHARED = ("q_proj", "k_proj", "v_proj", "o_proj")  # KDA q/k/v/o; MLA reuses q_proj / o_proj names
 _MLA = ("kv_a_proj_with_mqa", "kv_b_proj")

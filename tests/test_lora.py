@@ -534,3 +534,19 @@ def test_merged_adapter_exports_to_released_layout(tmp_path):
     with torch.no_grad():
         d = (merged(input_ids=x).logits - native(input_ids=x).logits).abs().max().item()
     assert d <= 1e-4
+
+
+def test_attn_res_projection_would_be_bypassed():
+    """K3 AttnRes reads its [1, D] projection weights directly: a LoRA on them changes nothing, so
+    check_lora_targets refuses it (and the recommended config never targets it)."""
+    m = tiny("tiny-k3")
+    assert "self_attention_res_proj" not in recommended_lora_config(m.config, include_gates=True).target_modules
+    x = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        want = m(input_ids=x).logits
+    pm = get_peft_model(m, LoraConfig(r=2, target_modules=["self_attention_res_proj", "mlp_res_proj"],
+                                      init_lora_weights=False))
+    with torch.no_grad():
+        assert torch.equal(pm(input_ids=x).logits, want)
+    with pytest.raises(ValueError, match="must not wrap"):
+        check_lora_targets(pm)
