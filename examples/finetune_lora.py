@@ -89,7 +89,7 @@ def chunks(tokenizer, files, seq_len: int, max_tokens=None):
     """Token chunks of at most ``seq_len`` (at least 2 tokens), file by file, EOS after each file."""
     out, total = [], 0
     for _, text in files:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [tokenizer.eos_token_id]
         for i in range(0, len(ids), seq_len):
             c = ids[i:i + seq_len]
             if len(c) >= 2:
