@@ -335,6 +335,25 @@ def test_generation_adapter_equals_merged_equals_no_cache(preset, monkeypatch):
     assert not torch.equal(gen_buggy, gen_adapter), "the case does not discriminate base vs adapted kv_b_proj"
 
 
+def test_static_cache_generation_with_adapter():
+    """cache_implementation="static" (pre-allocated cache) with an adapter and after merging == dynamic greedy."""
+    base = tiny("tiny-kda-first", initializer_range=0.1)
+    x = torch.tensor([[5, 17, 33, 42, 61, 7, 99, 12]])
+    kw = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    try:
+        with torch.no_grad():
+            base.generate(input_ids=x, cache_implementation="static", **kw)
+    except (AttributeError, TypeError) as e:  # static generate of the base model itself is fixed on another branch
+        pytest.skip(f"static-cache generate of the base model fails in this checkout: {e}")
+    pm = lora(base, seed=2, r=8, alpha=64)
+    with torch.no_grad():
+        want = pm.generate(input_ids=x, **kw)
+        got = pm.generate(input_ids=x, cache_implementation="static", **kw)
+        merged = copy.deepcopy(pm).merge_and_unload()
+        got_merged = merged.generate(input_ids=x, cache_implementation="static", **kw)
+    assert torch.equal(got, want) and torch.equal(got_merged, want)
+
+
 def test_mla_decode_step_uses_adapted_kv_b_proj():
     """One MLA layer, one decode step with a cache: output with a kv_b_proj adapter == decompressed attention with
     the merged weight (max abs diff <= 1e-5), and differs from the absorbed path on the base weight."""
