@@ -1,15 +1,13 @@
-"""Shared pytest setup: import the bundle from THIS checkout (not an installed copy elsewhere)."""
-
-from __future__ import annotations
+"""Make the tests import the bundle of THIS checkout (the folder ``modeling_kimi_hybrid``), not an installed copy."""
 
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path or sys.path[0] != str(ROOT):
+if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import modeling_kimi_hybrid  # noqa: E402,F401  (registers the classes with the Auto classes)
+import modeling_kimi_hybrid  # noqa: E402,F401  (its __init__ registers the classes with the Auto classes)
 
 assert Path(modeling_kimi_hybrid.__file__).resolve().parent == ROOT / "modeling_kimi_hybrid", (
-    f"tests must import the bundle of this checkout, got {modeling_kimi_hybrid.__file__}")
+    f"tests imported {modeling_kimi_hybrid.__file__}, not this checkout's bundle")
