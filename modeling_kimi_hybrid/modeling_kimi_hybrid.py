@@ -29,6 +29,12 @@ except ImportError:  # pragma: no cover
     GradientCheckpointingLayer = nn.Module
 
 try:
+    from transformers.integrations.accelerate import force_accelerate_hooks
+except ImportError:  # pragma: no cover
+    def force_accelerate_hooks(names):  # noqa: D103 - no accelerate hooks to fire
+        return lambda fn: fn
+
+try:
     from transformers import initialization as init
 except ImportError:  # pragma: no cover
     init = nn.init
@@ -363,6 +369,9 @@ class KimiDeltaAttention(nn.Module):
         """The three depthwise kernels fused: ``[3P, W]`` (q | k | v channels)."""
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
 
+    # the conv kernels are read directly (conv_weight), never through the conv modules: fire their accelerate hooks
+    # so CPU / disk offload (device_map) materialises them
+    @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
     def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
                 token_mask: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [B, T, D]`` (after input_layernorm) -> ``[B, T, D]``."""
@@ -510,6 +519,8 @@ class KimiMLAttention(nn.Module):
             self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
         self.scaling = self.qk_dim ** -0.5
 
+    # the absorbed decode reads kv_b_proj.weight directly: fire its accelerate hook (CPU / disk offload)
+    @force_accelerate_hooks("kv_b_proj")
     def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
                 attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x [B, T, D]``; ``attn_mask`` bool ``[B, 1, T, T_keys]`` (True = attend) or None for plain causal."""

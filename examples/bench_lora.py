@@ -1,0 +1,285 @@
+#!/usr/bin/env python
+"""LoRA training throughput and peak memory: KimiHybrid vs transformers' native ``kimi_linear``, one run, same
+config, same weights, same PEFT config.
+
+What is measured. One optimizer step = forward + backward (gradient checkpointing over the decoder layers,
+non-reentrant) + AdamW on the LoRA parameters, on random token ids ``[batch, seq_len]`` with ``labels = input_ids``.
+``tokens_per_s = batch * seq_len / median step time`` after ``--warmup`` untimed steps (the first steps include
+Triton autotuning of the FLA kernels). ``peak_GiB`` is ``torch.cuda.max_memory_allocated`` over the timed steps,
+``weights_GiB`` the allocated memory before LoRA is attached (the frozen base weights, shared by both models).
+
+The model. The 48B-A3B widths (hidden 2304, 32 KDA heads x 128, MLA 32 heads with kv_lora_rank 512, 256 experts
+top-8 with moe_intermediate 1024 + 1 shared expert, vocab 163840) on a depth-reduced slice: ``--layers 4`` =
+3 KDA + 1 MLA, every layer MoE (the released model has a dense layer 0; all-MoE keeps per-layer costs typical of
+the other 26 layers), bf16. The native model is built first on the GPU; its weights are mapped to our layout with
+``conversion.native.native_state_dict_to_ours`` and *assigned* to our model (the same storage: no copy), so both
+route the same tokens to the same experts. A parity line reports the max |logit difference| on one batch.
+
+LoRA: ``kimi_hybrid.app.lora.recommended_lora_config`` (r=16, alpha=32): attention q/k/v/o, MLA kv_a/kv_b,
+shared-expert MLP, routed experts through ``target_parameters``. The same module / parameter names exist in the
+native model, so one ``LoraConfig`` serves both.
+
+Usage (GPU): ``python examples/bench_lora.py --out examples/results/bench_lora_h200.json``
+CPU smoke test: ``python examples/bench_lora.py --tiny --device cpu --seq-len 32 --steps 1 --warmup 1``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def build_configs(args):
+    """Our config and the equivalent transformers ``KimiLinearConfig``."""
+    from transformers import KimiLinearConfig
+
+    from modeling_kimi_hybrid import KimiHybridConfig
+
+    layer_types = [LIN] * (args.layers - 1) + [FULL]
+    mlp_types = ["sparse"] * args.layers
+    if args.tiny:
+        ours = KimiHybridConfig.from_preset("tiny-kda-first", num_hidden_layers=args.layers, layer_types=layer_types,
+                                            mlp_layer_types=mlp_types, first_k_dense_replace=0, num_expert_group=1,
+                                            topk_group=1)
+    else:
+        ours = KimiHybridConfig.from_preset("kimi-linear-48b-a3b", num_hidden_layers=args.layers,
+                                            layer_types=layer_types, mlp_layer_types=mlp_types,
+                                            first_k_dense_replace=0)
+    lac = ours.linear_attn_config
+    native = KimiLinearConfig(
+        vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
+        moe_intermediate_size=ours.moe_intermediate_size, num_hidden_layers=ours.num_hidden_layers,
+        num_attention_heads=ours.num_attention_heads, num_key_value_heads=ours.num_attention_heads,
+        n_shared_experts=ours.num_shared_experts, routed_scaling_factor=ours.routed_scaling_factor,
+        kv_lora_rank=ours.kv_lora_rank, q_lora_rank=ours.q_lora_rank, qk_rope_head_dim=ours.qk_rope_head_dim,
+        v_head_dim=ours.v_head_dim, qk_nope_head_dim=ours.qk_nope_head_dim, n_group=ours.num_expert_group,
+        topk_group=ours.topk_group, num_experts_per_tok=ours.num_experts_per_token,
+        norm_topk_prob=ours.moe_renormalize, hidden_act="silu", rms_norm_eps=ours.rms_norm_eps,
+        num_local_experts=ours.num_experts, mlp_layer_types=mlp_types, layer_types=layer_types,
+        linear_head_dim=int(lac["head_dim"]), linear_num_heads=int(lac["num_heads"]),
+        linear_conv_kernel_dim=int(lac["short_conv_kernel_size"]), tie_word_embeddings=False,
+        pad_token_id=ours.pad_token_id, bos_token_id=ours.bos_token_id, eos_token_id=ours.eos_token_id,
+    )
+    return ours, native
+
+
+def build_models(args, device, dtype):
+    """Native model with random weights on ``device``; ours sharing its tensors."""
+    from transformers import KimiLinearForCausalLM
+
+    from conversion.native import native_state_dict_to_ours
+    from modeling_kimi_hybrid import KimiHybridForCausalLM
+
+    ours_cfg, native_cfg = build_configs(args)
+    torch.manual_seed(0)
+    with torch.device(device):
+        native = KimiLinearForCausalLM._from_config(native_cfg, dtype=dtype)
+    with torch.device("meta"):
+        ours = KimiHybridForCausalLM(ours_cfg)
+    sd = native_state_dict_to_ours(native.state_dict())
+    res = ours.load_state_dict(sd, strict=False, assign=True)
+    if res.missing_keys or res.unexpected_keys:
+        raise RuntimeError(f"weight mapping: missing {res.missing_keys[:5]}, unexpected {res.unexpected_keys[:5]}")
+    with torch.no_grad():
+        for mod in ours.modules():  # the fp32-always parameters (a copy: small)
+            for name in ("A_log", "dt_bias", "e_score_correction_bias"):
+                p = getattr(mod, name, None)
+                if isinstance(p, torch.nn.Parameter) and p.dtype != torch.float32:
+                    setattr(mod, name, torch.nn.Parameter(p.detach().float(), requires_grad=False))
+    for p in ours.parameters():
+        p.requires_grad_(False)
+    return ours.eval(), native.eval(), ours_cfg
+
+
+def parity(ours, native, ids):
+    with torch.no_grad():
+        a = ours(input_ids=ids, use_cache=False).logits.float()
+        b = native(input_ids=ids, use_cache=False).logits.float()
+    return {"max_abs_logit_diff": (a - b).abs().max().item(), "logit_scale": b.abs().max().item(),
+            "argmax_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+
+
+def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None):
+    from peft import get_peft_model
+
+    from app.lora import enable_gradient_checkpointing, recommended_lora_config
+
+    lc = recommended_lora_config(cfg, r=args.rank, alpha=2 * args.rank, include_experts=not args.no_experts)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        weights = torch.cuda.memory_allocated() / 2**30
+    else:
+        weights = None
+    pm = get_peft_model(model, lc)
+    enable_gradient_checkpointing(pm)
+    pm.train()
+    trainable = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=g).to(device)
+
+    def step():
+        loss = pm(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    out = {"trainable_params": sum(p.numel() for p in trainable), "weights_GiB": weights,
+           "status": "in the untimed warm-up steps (cold Triton autotuning happens here)"}
+    progress(out)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        out["first_loss"] = step()
+    sync()
+    out["warmup_s"] = round(time.perf_counter() - t0, 3)
+    out["status"] = "timing"
+    progress(out)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        if time.perf_counter() > deadline:
+            out["note"] = "stopped early: time budget"
+            break
+        t = time.perf_counter()
+        out["last_loss"] = step()
+        sync()
+        times.append(time.perf_counter() - t)
+    if times:
+        med = statistics.median(times)
+        out.update(step_s=[round(x, 4) for x in times], median_step_s=round(med, 4),
+                   tokens_per_s=round(args.batch * args.seq_len / med, 1))
+    if device.type == "cuda":
+        out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    out["status"] = "done"
+    del opt, trainable
+    pm.unload()  # remove the LoRA wrappers, keep the (shared) base weights
+    del pm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def environment(device):
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "machine": platform.node(), "device": str(device)}
+    for mod in ("peft", "accelerate", "fla", "triton"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            info[mod] = f"unavailable ({type(e).__name__})"
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        from modeling_kimi_hybrid.kda_kimi_hybrid import fla_available
+
+        info["kimi_hybrid_uses_fla"] = bool(fla_available()) and device.type == "cuda"
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from transformers.utils.import_utils import is_flash_linear_attention_available
+
+        info["native_uses_fla"] = bool(is_flash_linear_attention_available()) and device.type == "cuda"
+    except Exception:  # noqa: BLE001
+        pass
+    commit = os.environ.get("KIMI_HYBRID_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=10).stdout.strip() or None
+        except Exception:  # noqa: BLE001
+            commit = None
+    info["commit"] = commit
+    return info
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="depth of the slice: layers-1 KDA + 1 MLA (default 4)")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps (Triton autotuning happens here)")
+    ap.add_argument("--no-experts", action="store_true", help="do not adapt the routed experts")
+    ap.add_argument("--models", default="ours,native", help="comma list, run in this order")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing once this many seconds have passed")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke test)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on CPU)")
+    ap.add_argument("--out", default=None, help="write the JSON here (also after each model)")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    result = {"benchmark": "lora_training", "env": environment(device),
+              "setup": {"layers": args.layers, "layer_plan": f"{args.layers - 1} KDA + 1 MLA, all MoE",
+                        "widths": "tiny" if args.tiny else "Kimi-Linear-48B-A3B", "batch": args.batch,
+                        "seq_len": args.seq_len, "dtype": str(dtype).replace("torch.", ""), "lora_rank": args.rank,
+                        "lora_alpha": 2 * args.rank, "experts_adapted": not args.no_experts,
+                        "gradient_checkpointing": "non-reentrant, every decoder layer", "optimizer": "AdamW",
+                        "warmup_steps": args.warmup, "timed_steps": args.steps}}
+
+    def dump():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    t = time.perf_counter()
+    ours, native, cfg = build_models(args, device, dtype)
+    result["setup"]["build_s"] = round(time.perf_counter() - t, 2)
+    result["setup"]["params_B"] = round(sum(p.numel() for p in native.parameters()) / 1e9, 3)
+    result["setup"]["native_experts_implementation"] = getattr(native.config, "_experts_implementation", None)
+    ids = torch.randint(0, cfg.vocab_size, (1, min(args.seq_len, 256)), generator=torch.Generator().manual_seed(2))
+    result["parity"] = parity(ours, native, ids.to(device))
+    dump()
+    print(json.dumps(result["parity"]), flush=True)
+    models = {"ours": ours, "native": native}
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if time.perf_counter() > deadline:
+            result[name] = {"skipped": "time budget"}
+            continue
+        try:
+            def progress(d, name=name):
+                result[name] = d
+                dump()
+
+            result[name] = bench_one(name, models[name], cfg, args, device, deadline, progress)
+        except Exception as e:  # noqa: BLE001  (keep the other model's numbers)
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+        print(name, json.dumps(result[name]), flush=True)
+        dump()
+    result["total_s"] = round(time.perf_counter() - start, 1)
+    if "tokens_per_s" in result.get("ours", {}) and "tokens_per_s" in result.get("native", {}):
+        result["speedup_ours_over_native"] = round(result["ours"]["tokens_per_s"] / result["native"]["tokens_per_s"],
+                                                   3)
+    dump()
+    return result
+
+
+if __name__ == "__main__":
+    main()
