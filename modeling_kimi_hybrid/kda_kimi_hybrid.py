@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 L2NORM_EPS = 1e-6
+# The chunked form is exact for any chunk size. FLA uses 64; on CPU the reference's pairwise decay tensor
+# ([C, C, K] per chunk) and the batched triangular solve make 16 about 20x faster than 64 for a training step of the
+# embedded model (measured: 2.8 s vs 63 s, 2 cores, batch 8 x 256), so the CPU dispatcher uses 16.
+CPU_CHUNK_SIZE = 16
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -376,7 +380,7 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                          cu_seqlens=cu_seqlens)
     return chunk_kda_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, chunk_size=CPU_CHUNK_SIZE)
 
 
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

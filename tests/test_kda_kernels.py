@@ -59,14 +59,15 @@ def make_inputs(B, T, H=2, K=8, V=6, seed=0, strong_decay=False):
 
 @pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 200])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_recurrent_loop_agree(T, with_state):
+@pytest.mark.parametrize("chunk_size", [64, 16])
+def test_chunk_recurrent_loop_agree(T, with_state, chunk_size):
     q, k, v, g, beta, h0 = make_inputs(2, T)
     h0 = h0 if with_state else None
     o_ref, s_ref = loop_reference(q, k, v, g, beta, h0)
     o_rec, s_rec = recurrent_kda_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                      use_qk_l2norm_in_kernel=True)
     o_chk, s_chk = chunk_kda_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                 use_qk_l2norm_in_kernel=True)
+                                 use_qk_l2norm_in_kernel=True, chunk_size=chunk_size)
     assert s_rec.dtype == torch.float32 and s_chk.dtype == torch.float32
     assert (o_rec.double() - o_ref).abs().max() < TOL
     assert (s_rec.double() - s_ref).abs().max() < TOL
