@@ -14,11 +14,26 @@ Modes: dynamic (latents grow by concatenation) and static (``max_cache_len`` giv
 updated in place at positions held in a device tensor, so a decode step can be compiled / CUDA-graph captured).
 
 Rollback for assisted / speculative decoding (``crop``): a recurrent state cannot be un-applied, so while
-``activate_past_recording()`` is on, each KDA layer keeps, for the last forward call, the state and conv window at
-an anchor position plus the step's (post-conv) k, v, decay, beta and pre-conv inputs of at most
-``config.kda_record_max_tokens`` tokens after the anchor. ``crop`` to a length inside that window re-runs the
-recurrence from the anchor over the kept tokens. Memory: one state copy + ``R * (6 P + H)`` values per layer and row
-(R = recorded tokens, P = H*K); cost: one recurrence over at most R tokens per KDA layer.
+``activate_past_recording()`` is on each KDA layer keeps a *record*: the recurrent state and conv window at an anchor
+position plus, for every later token up to the current length, the post-conv q/k/v, the decay g, beta and the
+pre-conv q|k|v input. Records chain across forward calls (an assistant model drafts one token per call and is then
+rolled back over several calls). ``crop`` to any length inside ``[anchor, length]`` replays the recurrence from the
+anchor over the kept tokens; the record then ends at the new length and keeps chaining.
+
+With R = ``config.kda_record_max_tokens`` (default 64), P = H*K, per KDA layer and batch row:
+
+* rollback depth: at least ``min(R, tokens recorded since recording started)`` tokens back, always;
+* memory: one state copy ``H*K*V`` fp32 + one conv window ``3P*(W-1)`` + at most ``2R`` recorded tokens of
+  ``6P + H`` values (q, k, v, g, x = 3P, beta = H). Kimi-Linear (H=32, K=V=128, R=64): 2 MiB + 128 * 24.6 KiB
+  = about 5.1 MiB per KDA layer and row in fp32 (g and beta fp32, the rest in the model dtype);
+* compute: when a chained record passes 2R tokens its anchor moves forward by replaying the oldest tokens once
+  (amortised: one extra recurrence step per recorded token, no projection, conv or MLP is recomputed); a forward
+  call of T >= R tokens restarts the record inside the call at no extra cost; ``crop`` costs one recurrence over
+  at most 2R tokens per KDA layer.
+
+Padded (masked) or packed forwards are not recorded (a crop after one raises): assisted decoding in transformers
+runs batch 1 without padding. Recording stays on for a cache that ``generate`` returns after assisted decoding; call
+``deactivate_past_recording()`` to drop the records.
 
 Agent sessions: ``snapshot`` / ``restore`` / ``fork``, ``save`` / ``load`` (safetensors, versioned, sha256 checksum,
 config fingerprint), and ``memory_report`` (bytes per layer type, byte-exact against the tensors held).
@@ -36,9 +51,9 @@ import torch
 from transformers.cache_utils import Cache
 
 try:  # relative import inside the package / Hub bundle
-    from .kda_kimi_hybrid import recurrent_kda_ref
+    from .kda_kimi_hybrid import kda_chunk, kda_recurrent
 except ImportError:  # pragma: no cover
-    from kda_kimi_hybrid import recurrent_kda_ref  # type: ignore
+    from kda_kimi_hybrid import kda_chunk, kda_recurrent  # type: ignore
 
 CACHE_FORMAT = "kimi-hybrid-cache"
 CACHE_FORMAT_VERSION = 1
@@ -86,6 +101,65 @@ class KDALayerCache:
         if not self.record:
             return 0
         return sum(t.numel() * t.element_size() for t in self.record.values() if isinstance(t, torch.Tensor))
+
+    # -- rollback record (see the module doc) ----------------------------------------------------------------------
+    RECORD_KEYS = ("q", "k", "v", "g", "beta", "x")
+
+    def start_record(self, anchor: int, state: torch.Tensor, window: torch.Tensor,
+                     tokens: Dict[str, torch.Tensor]) -> None:
+        """Start a record at position ``anchor`` with ``state [B, H, K, V]`` fp32 and ``window [B, 3P, W-1]`` there,
+        followed by ``tokens`` (``q, k, v [B, n, H, K]``, ``g [B, n, H, K]``, ``beta [B, n, H]``, ``x [B, n, 3P]``)."""
+        n = tokens["q"].shape[1]
+        self.record = {"anchor": int(anchor), "end": int(anchor) + n, "state": state.detach().clone(),
+                       "window": window.detach().clone()}
+        for name in self.RECORD_KEYS:
+            self.record[name] = tokens[name].detach().clone()
+
+    def extend_record(self, tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
+        """Append the tokens of the next forward call; past ``2 * max_tokens`` tokens move the anchor so that
+        ``max_tokens`` stay (one replay of the dropped tokens)."""
+        rec = self.record
+        for name in self.RECORD_KEYS:
+            rec[name] = torch.cat([rec[name], tokens[name].detach().to(rec[name].dtype)], dim=1)
+        rec["end"] += tokens["q"].shape[1]
+        n = rec["end"] - rec["anchor"]
+        if n > 2 * max_tokens:
+            d = n - max_tokens
+            rec["state"], rec["window"] = replay_record(rec, d)
+            rec["anchor"] += d
+            for name in self.RECORD_KEYS:
+                rec[name] = rec[name][:, d:].contiguous()
+
+    def rollback(self, target: int, in_place: bool = False) -> None:
+        """Set the conv window and recurrent state to their values at position ``target`` (inside the record);
+        the record is trimmed to end there. ``in_place``: copy into the existing buffers (static mode)."""
+        rec = self.record
+        m = target - rec["anchor"]
+        state, window = replay_record(rec, m)
+        for name in self.RECORD_KEYS:
+            rec[name] = rec[name][:, :m]
+        rec["end"] = int(target)
+        if in_place:
+            self.conv_state.copy_(window)
+            self.recurrent_state.copy_(state)
+        else:
+            self.conv_state = window.clone()
+            self.recurrent_state = state.clone()
+
+
+def replay_record(rec: Dict[str, Any], m: int):
+    """Run the recorded recurrence and conv window forward ``m`` tokens from the anchor.
+    Returns ``(state [B, H, K, V] fp32, window [B, 3P, W-1])`` at position ``anchor + m``."""
+    state, window = rec["state"], rec["window"]
+    if m <= 0:
+        return state, window
+    args = [rec[name][:, :m] for name in ("q", "k", "v", "g", "beta")]
+    run = kda_recurrent if m <= 64 else kda_chunk
+    with torch.no_grad():
+        _, state = run(*args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    W1 = window.shape[-1]
+    x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)
+    return state, x[..., x.shape[-1] - W1:]
 
 
 class MLALayerCache:
@@ -230,6 +304,13 @@ class KimiHybridCache(Cache):
         """Keep what ``crop`` needs to roll the KDA states back inside the latest forward call (assisted decoding)."""
         self.recording = True
 
+    def deactivate_past_recording(self) -> None:
+        """Stop recording and drop the rollback records (frees their memory)."""
+        self.recording = False
+        for layer in self.layers:
+            if isinstance(layer, KDALayerCache):
+                layer.record = None
+
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return self.recording
 
@@ -338,37 +419,46 @@ class KimiHybridCache(Cache):
 
     # -- rollback -------------------------------------------------------------------------------------------------
     def crop(self, max_length: int) -> None:
-        """Roll the cache back. A negative value removes that many tokens (transformers >= 5.20 semantics used by
-        assisted decoding); a non-negative value keeps the first ``max_length`` tokens.
+        """Roll the cache back.
 
-        MLA latents are sliced. KDA states are recomputed from the recording anchor of the last forward call, so the
-        target must lie inside it (``activate_past_recording()`` must be on).
+        ``max_length <= 0``: remove ``-max_length`` tokens (transformers >= 5.20 semantics, used by assisted decoding;
+        ``crop(0)`` is a no-op). ``max_length > 0``: keep the first ``max_length`` tokens (the legacy absolute form).
+        Use :meth:`reset` to drop everything.
+
+        MLA latents are sliced. KDA states are replayed from the rollback record (see the module doc), so the
+        target must lie inside it: ``activate_past_recording()`` must have been on during the forwards being undone.
 
         Raises:
-            ValueError: target below 0 or above the current length, or before the recorded window of a KDA layer.
+            ValueError: more tokens to remove than the cache holds, a length beyond the current one, or a target
+                before the recorded window of a KDA layer (or no record at all).
         """
         cur = self.seen_tokens
-        target = cur + max_length if max_length < 0 else max_length
-        if target > cur:
-            return  # nothing to remove (transformers' convention)
-        if target < 0:
-            raise ValueError(f"cannot crop {-max_length} tokens from a cache holding {cur}")
+        if max_length <= 0:
+            if -max_length > cur:
+                raise ValueError(f"cannot crop {-max_length} tokens from a cache holding {cur}")
+            target = cur + max_length
+        else:
+            if max_length > cur:
+                raise ValueError(f"cannot crop to {max_length} tokens: the cache holds only {cur} (crop only removes "
+                                 "tokens)")
+            target = max_length
         if target == cur:
             return
-        # KDA layers first (they may refuse)
+        # KDA layers first (they may refuse): nothing is changed unless every layer can roll back
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KDALayerCache):
                 rec = layer.record
-                if rec is None or not (rec["anchor"] <= target <= rec["end"]):
-                    window = None if rec is None else (rec["anchor"], rec["end"])
+                if rec is None or rec["end"] != cur or not (rec["anchor"] <= target <= rec["end"]):
+                    window = None if rec is None or rec["end"] != cur else (rec["anchor"], rec["end"])
                     raise ValueError(
-                        f"cannot crop KDA layer {i} to {target} tokens: a recurrent state can only be rolled back "
-                        f"inside the recorded window {window} of the last forward call (call "
-                        f"activate_past_recording() before it, keep steps <= kda_record_max_tokens="
-                        f"{self.config.kda_record_max_tokens}, or use snapshot()/restore() for longer rollbacks)")
+                        f"cannot crop KDA layer {i} from {cur} to {target} tokens: a recurrent state can only be "
+                        f"rolled back inside its recorded window {window} (positions [anchor, end]). Call "
+                        f"activate_past_recording() before the forwards to undo (padded or packed forwards are not "
+                        f"recorded), undo at most kda_record_max_tokens={self.config.kda_record_max_tokens} tokens, "
+                        f"or use snapshot()/restore() for longer rollbacks")
         for layer in self.layers:
             if isinstance(layer, KDALayerCache):
-                self._rollback_kda(layer, target)
+                layer.rollback(target, in_place=self.static)
             elif layer.latent is not None and not self.static:
                 layer.latent = layer.latent[:, :target]
         if self.key_mask is not None and not self.static:
@@ -377,26 +467,6 @@ class KimiHybridCache(Cache):
             self._pos.fill_(target)
             self.key_mask[:, target:] = False
         self.seen_tokens = target
-
-    def _rollback_kda(self, layer: KDALayerCache, target: int) -> None:
-        rec = layer.record
-        m = target - rec["anchor"]
-        S = rec["state"]
-        window = rec["window"]
-        if m > 0:
-            W1 = window.shape[-1]
-            _, S = recurrent_kda_ref(rec["q"][:, :m], rec["k"][:, :m], rec["v"][:, :m], rec["g"][:, :m],
-                                     rec["beta"][:, :m], initial_state=S, output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True)
-            x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)
-            window = x[..., x.shape[-1] - W1:]
-        if self.static:
-            layer.conv_state.copy_(window)
-            layer.recurrent_state.copy_(S)
-        else:
-            layer.conv_state = window.clone()
-            layer.recurrent_state = S.clone()
-        layer.record = None
 
     # -- agent sessions ------------------------------------------------------------------------------------------
     def snapshot(self) -> "KimiHybridCache":

@@ -358,14 +358,13 @@ class KimiDeltaAttention(nn.Module):
         beta = beta.to(q.dtype) if q.is_cuda else beta
         init_state = layer.recurrent_state if has_state else None
         want_state = cache is not None
-        record = cache is not None and cache.recording and cu_seqlens is None
+        record = cache is not None and cache.recording and cu_seqlens is None and valid is None
+        if layer is not None and not record:
+            layer.record = None  # a record must cover every token up to the current length
         if record:
             o, final = self._run_recording(q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer)
-        elif has_state and T <= 64 and not torch.is_grad_enabled():
-            o, final = kda_recurrent(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state)
         else:
-            o, final = kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
-                                 cu_seqlens=cu_seqlens)
+            o, final = self._run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens)
         if cache is not None:
             self._store(cache, layer, new_window, final)
         if self.config.use_full_rank_gate:
@@ -392,31 +391,43 @@ class KimiDeltaAttention(nn.Module):
             layer.conv_state = window
             layer.recurrent_state = state
 
+    @staticmethod
+    def _run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens=None):
+        """Recurrent kernel for short decode steps from a state (no grad), chunked otherwise."""
+        if init_state is not None and q.shape[1] <= 64 and not torch.is_grad_enabled():
+            return kda_recurrent(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state)
+        return kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
+                         cu_seqlens=cu_seqlens)
+
     def _run_recording(self, q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer):
-        """Run the step keeping a rollback anchor no more than ``kda_record_max_tokens`` before its end."""
+        """Run the step and keep the rollback record of the cache (module doc of cache_kimi_hybrid): append to the
+        record when it ends where this call starts and the call is shorter than ``kda_record_max_tokens`` (R), else
+        start a new record anchored ``min(T, R)`` tokens before the end of the call (the state there comes from
+        splitting the kernel call, no extra work)."""
         B, T = q.shape[:2]
-        R = min(T, int(self.config.kda_record_max_tokens))
-        split = T - R
+        R = max(1, int(self.config.kda_record_max_tokens))
+        start = cache.seen_tokens
+        tokens = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "x": x_raw}
+        if layer.record is not None and layer.record["end"] == start and T < R:
+            o, final = self._run_kda(q, k, v, g, beta, init_state, True)
+            layer.extend_record(tokens, R)
+            return o, final
         H, K, W1 = self.num_heads, self.head_dim, self.conv_size - 1
+        split = max(0, T - R)
         S0 = init_state if init_state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+        W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W1)
         outs = []
         if split > 0:
             o1, S0 = kda_chunk(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
                                initial_state=init_state, output_final_state=True)
             outs.append(o1)
-        prev = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W1)
-        full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)
-        window = full[..., split:split + W1]
-        o2, final = kda_chunk(q[:, split:], k[:, split:], v[:, split:], g[:, split:], beta[:, split:],
-                              initial_state=S0, output_final_state=True)
+            full = torch.cat([W0.to(x_raw.dtype), x_raw[:, :split].transpose(1, 2)], dim=-1)
+            W0 = full[..., full.shape[-1] - W1:]
+        rest = [t[:, split:] for t in (q, k, v, g, beta)]
+        o2, final = self._run_kda(*rest, S0 if (split > 0 or init_state is not None) else None, True)
         outs.append(o2)
-        start = cache.seen_tokens
-        layer.record = {
-            "anchor": start + split, "end": start + T, "state": S0.detach().clone(), "window": window.detach().clone(),
-            "q": q[:, split:].detach(), "k": k[:, split:].detach(), "v": v[:, split:].detach(),
-            "g": g[:, split:].detach(), "beta": beta[:, split:].detach(), "x": x_raw[:, split:].detach(),
-        }
-        return torch.cat(outs, 1), final
+        layer.start_record(start + split, S0, W0, {name: t[:, split:] for name, t in tokens.items()})
+        return torch.cat(outs, 1) if len(outs) > 1 else o2, final
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -853,6 +864,11 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         return inputs
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """Called by ``prepare_inputs_for_generation`` for a compileable (static) cache: keep the 2-D padding mask,
+        our model builds its KDA / MLA masks from it (and from the cache's ``key_mask``) itself."""
+        return attention_mask
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Build a :class:`KimiHybridCache` (static when ``cache_implementation="static"``) instead of transformers'
