@@ -103,25 +103,33 @@ class KDALayerCache:
         return sum(t.numel() * t.element_size() for t in self.record.values() if isinstance(t, torch.Tensor))
 
     # -- rollback record (see the module doc) ----------------------------------------------------------------------
-    RECORD_KEYS = ("q", "k", "v", "g", "beta", "x")
+    RECORD_KEYS = ("q", "k", "v", "g", "beta", "x", "valid")
 
     def start_record(self, anchor: int, state: torch.Tensor, window: torch.Tensor,
-                     tokens: Dict[str, torch.Tensor]) -> None:
+                     tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
         """Start a record at position ``anchor`` with ``state [B, H, K, V]`` fp32 and ``window [B, 3P, W-1]`` there,
-        followed by ``tokens`` (``q, k, v [B, n, H, K]``, ``g [B, n, H, K]``, ``beta [B, n, H]``, ``x [B, n, 3P]``)."""
+        followed by ``tokens`` in position order: ``q, k, v [B, n, H, K]`` (post-conv), ``g [B, n, H, K]``,
+        ``beta [B, n, H]``, ``x [B, n, 3P]`` (pre-conv) and ``valid [B, n]`` bool (False = padding: its k, g and
+        beta are zero, so it leaves the state alone, and it never enters the conv window)."""
         n = tokens["q"].shape[1]
         self.record = {"anchor": int(anchor), "end": int(anchor) + n, "state": state.detach().clone(),
                        "window": window.detach().clone()}
         for name in self.RECORD_KEYS:
             self.record[name] = tokens[name].detach().clone()
+        self._bound_record(max_tokens)
 
     def extend_record(self, tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
-        """Append the tokens of the next forward call; past ``2 * max_tokens`` tokens move the anchor so that
-        ``max_tokens`` stay (one replay of the dropped tokens)."""
+        """Append the tokens of the next forward call (same layout as :meth:`start_record`)."""
         rec = self.record
         for name in self.RECORD_KEYS:
             rec[name] = torch.cat([rec[name], tokens[name].detach().to(rec[name].dtype)], dim=1)
         rec["end"] += tokens["q"].shape[1]
+        self._bound_record(max_tokens)
+
+    def _bound_record(self, max_tokens: int) -> None:
+        """Past ``2 * max_tokens`` recorded tokens, move the anchor so that ``max_tokens`` stay (one replay of the
+        dropped tokens)."""
+        rec = self.record
         n = rec["end"] - rec["anchor"]
         if n > 2 * max_tokens:
             d = n - max_tokens
@@ -157,9 +165,17 @@ def replay_record(rec: Dict[str, Any], m: int):
     run = kda_recurrent if m <= 64 else kda_chunk
     with torch.no_grad():
         _, state = run(*args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    W1 = window.shape[-1]
-    x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)
-    return state, x[..., x.shape[-1] - W1:]
+    B, C, W1 = window.shape
+    x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)  # [B, C, W1 + m]
+    valid = rec["valid"][:, :m]
+    if bool(valid.all()):
+        return state, x[..., x.shape[-1] - W1:]
+    # the last W-1 real inputs of each row, oldest first (pads never enter the window)
+    valid = torch.cat([valid.new_ones(B, W1), valid], dim=1)
+    order = (~valid).to(torch.int8).argsort(dim=1, stable=True)  # real columns first, in order
+    pick = valid.sum(1, keepdim=True) - W1 + torch.arange(W1, device=valid.device).unsqueeze(0)
+    cols = order.gather(1, pick)
+    return state, x.gather(2, cols.unsqueeze(1).expand(B, C, W1))
 
 
 class MLALayerCache:
@@ -201,8 +217,8 @@ class KimiHybridCache(Cache):
         self.fingerprint = config_fingerprint(config)
         self.max_cache_len = max_cache_len
         self.static = max_cache_len is not None
-        self.seen_tokens = 0
-        self._pos: Optional[torch.Tensor] = None  # static mode: device counter
+        self._pos: Optional[torch.Tensor] = None  # static mode: device counter (the length lives there)
+        self._seen = 0  # dynamic mode: the length
         self.key_mask: Optional[torch.Tensor] = None
         self.recording = False
         self.offloading = False
@@ -252,6 +268,20 @@ class KimiHybridCache(Cache):
         mode = f"static(max_cache_len={self.max_cache_len})" if self.static else "dynamic"
         return (f"KimiHybridCache({mode}, seen_tokens={self.get_seq_length()}, "
                 f"kda_layers={self.layer_types.count(LINEAR)}, mla_layers={self.layer_types.count(FULL)})")
+
+    @property
+    def seen_tokens(self) -> int:
+        """Tokens seen so far. Static mode: read from the device counter ``_pos`` (the model never reads it inside
+        a forward in static mode, so a compiled decode step has no Python int that changes every step)."""
+        if self._pos is not None:
+            return int(self._pos)
+        return self._seen
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int) -> None:
+        self._seen = int(value)
+        if self._pos is not None:
+            self._pos.fill_(int(value))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far (a position counter, the same for every layer)."""
@@ -359,9 +389,10 @@ class KimiHybridCache(Cache):
 
     def advance(self, num_tokens: int) -> None:
         """Move the position counter after every layer has seen ``num_tokens`` new tokens."""
-        self.seen_tokens += int(num_tokens)
-        if self.static:
+        if self._pos is not None:
             self._pos.add_(num_tokens)
+        else:
+            self._seen += int(num_tokens)
 
     # -- batch reshaping (beam search, sampling with num_return_sequences, agent forks) -------------------------
     def _map_tensors(self, fn) -> None:
