@@ -516,7 +516,15 @@ class KimiHybridCache(Cache):
         new.fingerprint = copy.deepcopy(self.fingerprint)
         return new
 
-    fork = snapshot
+    def fork(self, batch_repeats: int = 1) -> "KimiHybridCache":
+        """An independent copy to continue from (an agent branch, or one shared prefix for many prompts): a
+        :meth:`snapshot`, with every row repeated ``batch_repeats`` times (row order b0, b0, ..., b1, b1, ...)."""
+        new = self.snapshot()
+        if batch_repeats != 1:
+            if batch_repeats < 1:
+                raise ValueError(f"batch_repeats must be >= 1, got {batch_repeats}")
+            new.batch_repeat_interleave(int(batch_repeats))
+        return new
 
     def restore(self, snap: "KimiHybridCache") -> None:
         """Make this cache equal to ``snap`` (a :meth:`snapshot` of a cache of the same model and batch size).

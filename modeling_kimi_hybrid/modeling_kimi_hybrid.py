@@ -898,6 +898,50 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             inputs["attention_mask"] = attention_mask
         return inputs
 
+    # -- prefix reuse ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill_prefix(self, prefix_ids: torch.LongTensor,
+                       attention_mask: Optional[torch.Tensor] = None) -> KimiHybridCache:
+        """Run a prefix shared by many prompts (a system prompt, an agent's tool list, a document) once.
+
+        ``prefix_ids [1, P]`` (or ``[B, P]``). Returns its :class:`KimiHybridCache`; keep it as the snapshot and give
+        each continuation ``prefix_cache.fork()`` (or use :meth:`generate_from_prefix`), so the prefix is never
+        recomputed. Only the last position's logits are computed."""
+        cache = KimiHybridCache(self.config)
+        self(input_ids=prefix_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+             logits_to_keep=1)
+        return cache
+
+    @torch.no_grad()
+    def generate_from_prefix(self, prefix_cache: KimiHybridCache, prefix_ids: torch.LongTensor,
+                             suffixes: List[torch.LongTensor], **generate_kwargs):
+        """Generate for many prompts ``prefix + suffix_i`` in one batch, reusing ``prefix_cache`` (from
+        :meth:`prefill_prefix` over ``prefix_ids [1, P]``) instead of recomputing the prefix.
+
+        Rows are ``prefix | pads | suffix_i`` (interior padding, so every prompt ends in the last column; pads
+        change nothing, see :meth:`KimiHybridModel.forward`) with the prefix cache forked to ``len(suffixes)`` rows;
+        ``prefix_cache`` itself is left untouched. ``suffixes``: 1-D id tensors (at least one token each).
+        Returns what ``generate`` returns (``sequences [n, P + max_suffix + new]``)."""
+        if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1:
+            raise ValueError(f"prefix_ids must be [1, P], got {tuple(prefix_ids.shape)}")
+        P = prefix_ids.shape[1]
+        if prefix_cache.get_seq_length() != P or prefix_cache.batch_size != 1:
+            raise ValueError(f"prefix_cache holds {prefix_cache.get_seq_length()} tokens of batch "
+                             f"{prefix_cache.batch_size}; expected the cache of prefix_ids ({P} tokens, batch 1)")
+        if not suffixes or any(s.dim() != 1 or s.numel() == 0 for s in suffixes):
+            raise ValueError("suffixes must be a non-empty list of non-empty 1-D id tensors")
+        n, S = len(suffixes), max(int(s.numel()) for s in suffixes)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        ids = torch.full((n, P + S), pad, dtype=prefix_ids.dtype, device=prefix_ids.device)
+        mask = torch.zeros(n, P + S, dtype=torch.long, device=prefix_ids.device)
+        ids[:, :P] = prefix_ids
+        mask[:, :P] = 1
+        for i, s in enumerate(suffixes):
+            ids[i, P + S - s.numel():] = s.to(ids.device)
+            mask[i, P + S - s.numel():] = 1
+        generate_kwargs.setdefault("pad_token_id", pad)
+        return self.generate(ids, attention_mask=mask, past_key_values=prefix_cache.fork(n), **generate_kwargs)
+
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """Called by ``prepare_inputs_for_generation`` for a compileable (static) cache: keep the 2-D padding mask,
         our model builds its KDA / MLA masks from it (and from the cache's ``key_mask``) itself."""
