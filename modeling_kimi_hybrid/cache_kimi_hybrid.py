@@ -10,33 +10,43 @@
 
 The sequence length comes from a position counter (``seen_tokens``), never from layer 0 (often a KDA layer).
 
-Modes: dynamic (latents grow by concatenation) and static (``max_cache_len`` given: every buffer pre-allocated and
-updated in place at positions held in a device tensor, so a decode step can be compiled / CUDA-graph captured).
+Modes: dynamic (latents grow by concatenation) and static (``max_cache_len`` given, or
+``generate(..., cache_implementation="static")``): every buffer is pre-allocated at the first forward and updated in
+place at positions taken from a device counter ``_pos`` (``seen_tokens`` reads it), so a decode step has fixed shapes
+and addresses and no Python int that changes per step: it compiles to one graph (``torch.compile``) or can be
+CUDA-graph captured. Zeroed KDA buffers are the "no state yet" state. Batch-changing operations
+(``batch_repeat_interleave``, ``batch_select_indices``) need a dynamic cache.
 
 Rollback for assisted / speculative decoding (``crop``): a recurrent state cannot be un-applied, so while
 ``activate_past_recording()`` is on each KDA layer keeps a *record*: the recurrent state and conv window at an anchor
-position plus, for every later token up to the current length, the post-conv q/k/v, the decay g, beta and the
-pre-conv q|k|v input. Records chain across forward calls (an assistant model drafts one token per call and is then
-rolled back over several calls). ``crop`` to any length inside ``[anchor, length]`` replays the recurrence from the
-anchor over the kept tokens; the record then ends at the new length and keeps chaining.
+position plus, for every later token up to the current length, the post-conv q/k/v, the decay g, beta, the pre-conv
+q|k|v input and a validity flag. Records chain across forward calls (an assistant model drafts one token per call and
+is then rolled back over several calls; ``generate`` switches recording on for the main cache and, through
+``KimiHybridForCausalLM._prepare_cache_for_generation``, for the draft's). ``crop`` to any length inside
+``[anchor, length]`` replays the recurrence from the anchor over the kept tokens; the record then ends at the new
+length and keeps chaining. Padded forwards are recorded in position order with their pads neutral (k = g = beta = 0:
+the state is untouched, and pads never enter the conv window), since transformers' draft model treats a generated
+pad-token id as padding. A forward without recording (or a packed one) drops the record; a crop then raises.
 
 With R = ``config.kda_record_max_tokens`` (default 64), P = H*K, per KDA layer and batch row:
 
 * rollback depth: at least ``min(R, tokens recorded since recording started)`` tokens back, always;
-* memory: one state copy ``H*K*V`` fp32 + one conv window ``3P*(W-1)`` + at most ``2R`` recorded tokens of
-  ``6P + H`` values (q, k, v, g, x = 3P, beta = H). Kimi-Linear (H=32, K=V=128, R=64): 2 MiB + 128 * 24.6 KiB
-  = about 5.1 MiB per KDA layer and row in fp32 (g and beta fp32, the rest in the model dtype);
-* compute: when a chained record passes 2R tokens its anchor moves forward by replaying the oldest tokens once
-  (amortised: one extra recurrence step per recorded token, no projection, conv or MLP is recomputed); a forward
-  call of T >= R tokens restarts the record inside the call at no extra cost; ``crop`` costs one recurrence over
-  at most 2R tokens per KDA layer.
+* memory: one state copy ``H*K*V`` fp32 + one conv window ``3P*(W-1)`` + at most ``2R`` recorded tokens, each
+  ``6P`` values in the model dtype (q, k, v, x) + ``P + H`` fp32 (g, beta) + 1 byte. Kimi-Linear in bf16 (H=32,
+  K=V=128, P=4096, R=64): 2 MiB + 72 KiB + 128 * 64.1 KiB = about 10.1 MiB per KDA layer and row at most;
+* compute: when a chained record passes 2R tokens its anchor moves forward by replaying the oldest R tokens once
+  (amortised: one extra recurrence step per recorded token; no projection, conv or MLP is recomputed); an unpadded
+  forward of T >= R tokens restarts the record inside the call at no extra cost; ``crop`` costs one recurrence over
+  at most 2R tokens per KDA layer. Without recording none of this is kept or computed.
 
-Padded (masked) or packed forwards are not recorded (a crop after one raises): assisted decoding in transformers
-runs batch 1 without padding. Recording stays on for a cache that ``generate`` returns after assisted decoding; call
-``deactivate_past_recording()`` to drop the records.
+Recording stays on for a cache that ``generate`` returns after assisted decoding; ``deactivate_past_recording()``
+drops the records. ``memory_report()["rollback_bytes"]`` counts them.
 
-Agent sessions: ``snapshot`` / ``restore`` / ``fork``, ``save`` / ``load`` (safetensors, versioned, sha256 checksum,
-config fingerprint), and ``memory_report`` (bytes per layer type, byte-exact against the tensors held).
+Agent sessions: ``snapshot`` / ``restore`` (in place for a static cache) / ``fork(batch_repeats)``, ``save`` /
+``load`` (safetensors, format ``kimi-hybrid-cache`` version 1, sha256 over every tensor, config fingerprint checked on
+load), and ``memory_report`` (bytes per layer type, byte-exact against the tensors held). Prefix reuse:
+``KimiHybridForCausalLM.prefill_prefix`` runs a shared prefix once; ``fork()`` its cache per continuation or call
+``generate_from_prefix`` for a batch (``examples/bench_prefix_reuse.py`` measures the time saved).
 """
 
 from __future__ import annotations
