@@ -711,9 +711,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             cache = KimiHybridCache(self.config)
         static = cache is not None and cache.static
         if cache is not None:
-            if cache.fingerprint != config_fingerprint(self.config):
+            want = config_fingerprint(self.config)
+            if cache.fingerprint != want:
                 raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
-                                 f"this model's config: {_fingerprint_diff(cache.fingerprint, config_fingerprint(self.config))})")
+                                 f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
             cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
             if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
                 raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
