@@ -32,6 +32,16 @@ PAD = 0
 _MODELS = {}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads competing
+    with another process run 10-100x slower; one thread keeps the suite's time predictable."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def get_model(preset: str, seed: int = 0, **overrides) -> KimiHybridForCausalLM:
     key = (preset, seed, repr(sorted(overrides.items())))
     if key not in _MODELS:

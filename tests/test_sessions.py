@@ -27,6 +27,16 @@ PAD = 0
 _MODELS = {}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads competing
+    with another process run 10-100x slower; one thread keeps the suite's time predictable."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def get_model(preset: str, seed: int = 0) -> KimiHybridForCausalLM:
     if (preset, seed) not in _MODELS:
         torch.manual_seed(seed)
@@ -201,6 +211,7 @@ def test_resume_after_reload_in_a_new_process(tmp_path):
         jobs.append({"name": preset, "model": str(mdir), "cache": str(cpath), "new": 6,
                      "sequences": first.sequences.tolist()})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), json.dumps(jobs)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
