@@ -1,8 +1,8 @@
 """Agent sessions on ``KimiHybridCache``: snapshot / restore / fork, save / load (safetensors, versioned, checksummed),
 resuming generation after a reload in a new process, prefix reuse, and clear errors on bad input.
 
-Tiny random fp32 models on CPU, both layer orders (and "tiny-k3" where cheap). Logits compared with max abs diff
-<= 1e-5 against recomputation without a cache; generated ids must be identical.
+Tiny random fp32 models on CPU: both layer orders ("tiny-kda-first", "tiny-mla-first") and "tiny-k3". Logits
+compared with max abs diff <= 1e-5 against recomputation without a cache; generated ids must be identical.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_snapshot_restore_fork(preset):
         assert (l3 - ref).abs().max() <= ATOL
 
 
-@pytest.mark.parametrize("preset", ORDERS)
+@pytest.mark.parametrize("preset", ALL)
 def test_static_snapshot_restore_and_memory_report(preset):
     m = get_model(preset)
     ids = rand_ids(1, 9, seed=33)
@@ -129,7 +129,7 @@ def test_static_snapshot_restore_and_memory_report(preset):
 # save / load, and resuming in a new process
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset", ORDERS)
+@pytest.mark.parametrize("preset", ALL)
 def test_save_load_roundtrip_and_refusals(preset, tmp_path):
     m = get_model(preset)
     ids = rand_ids(2, 10, seed=34)
@@ -200,7 +200,7 @@ print("RESULT " + json.dumps(results))
 def test_resume_after_reload_in_a_new_process(tmp_path):
     """Generate 4 tokens, save model + cache, resume for 6 more in a fresh Python process == 10 in one go."""
     jobs, expected = [], {}
-    for preset in ORDERS:
+    for preset in ALL:
         m = get_model(preset)
         ids = rand_ids(1, 7, seed=35)
         expected[preset] = gen(m, ids, max_new_tokens=10).tolist()
@@ -217,7 +217,7 @@ def test_resume_after_reload_in_a_new_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
     got = json.loads(line[len("RESULT "):])
-    for preset in ORDERS:
+    for preset in ALL:
         assert len(got[preset][0]) == len(expected[preset][0])
         assert got[preset] == expected[preset], preset
 
