@@ -2,9 +2,9 @@
 
 Tiny random fp32 models on CPU, on both layer orders ("tiny-kda-first": KDA layer 0; "tiny-mla-first": MLA layer 0)
 and the K3 variant ("tiny-k3": full-rank gates, lower-bounded decay, q low-rank MLA with output gate, latent MoE,
-AttnRes); the torch.compile test runs on "tiny-mla-first" only. Tolerances: logits max abs diff <= 1e-5 (``ATOL``); sums of a few
-log-probabilities (beam scores) <= 1e-4; gradients <= 1e-5 relative to their scale. Generated token ids must be
-identical.
+AttnRes); the torch.compile test runs on "tiny-mla-first" only. Tolerances: logits max abs diff <= 1e-5 (``ATOL``);
+sums of a few log-probabilities (beam scores) <= 1e-4; gradients <= 1e-5 relative to their scale. Generated token
+ids must be identical.
 
 Covered (issue 3): beam search (sequences == no-cache beam search, ``sequences_scores`` == no-cache log-probs of each
 returned beam / length ** length_penalty), sampling with ``num_return_sequences`` (top_k=1 == greedy; every step's
