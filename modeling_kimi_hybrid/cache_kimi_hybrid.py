@@ -555,6 +555,8 @@ class KimiHybridCache(Cache):
             for a, b in zip(self.layers, snap.layers):
                 for name, t in a.tensors().items():
                     t.copy_(getattr(b, name))
+                if isinstance(a, KDALayerCache):
+                    a.record = None  # it described the history that was just replaced
             self.key_mask.copy_(snap.key_mask)
             self._pos.copy_(snap._pos)
             self.seen_tokens = snap.seen_tokens

@@ -114,6 +114,19 @@ def test_static_snapshot_restore_and_memory_report(preset):
         c.restore(snap)
         assert c.layers[-1].latent.data_ptr() == buf, "static restore must copy in place (fixed addresses)"
         b = m(ids[:, 6:9], past_key_values=c).logits
+        assert (a - b).abs().max() == 0
+        # a rollback record dies with the history it described, even when the restored one has the same length
+        other = snap.fork()
+        m(ids[:, 1:4], past_key_values=other)  # another history, also 9 tokens
+        c.restore(snap)
+        c.activate_past_recording()
+        m(ids[:, 6:9], past_key_values=c)  # recorded 6..9
+        c.restore(other)
+        with pytest.raises(ValueError, match="recorded window None"):
+            c.crop(-1)
+        c.deactivate_past_recording()
+        c.restore(snap)
+        b = m(ids[:, 6:9], past_key_values=c).logits
     assert (a - b).abs().max() == 0
     # byte-exact memory report (dynamic): KDA constant, MLA linear in the length
     d = KimiHybridCache(m.config)
