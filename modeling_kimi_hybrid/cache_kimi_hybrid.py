@@ -215,7 +215,9 @@ class KimiHybridCache(Cache):
 
     Per-layer state: ``cache.layers[i]`` is a :class:`KDALayerCache` or :class:`MLALayerCache`.
     The key-padding mask of every token seen so far is kept in ``key_mask [B, T]`` (bool) so that a later forward
-    without an ``attention_mask`` still ignores earlier padding.
+    without an ``attention_mask`` still ignores earlier padding. Dynamic mode also keeps ``last_hidden [B, D]``, the
+    final hidden state of each row's last real token, so that a forward whose tokens are all padding for a row (a
+    right-padded row in the last piece of a chunked prefill) still outputs that row's next-token prediction.
     """
 
     def __init__(self, config, max_cache_len: Optional[int] = None, batch_size: Optional[int] = None,
@@ -230,6 +232,7 @@ class KimiHybridCache(Cache):
         self._pos: Optional[torch.Tensor] = None  # static mode: device counter (the length lives there)
         self._seen = 0  # dynamic mode: the length
         self.key_mask: Optional[torch.Tensor] = None
+        self.last_hidden: Optional[torch.Tensor] = None  # dynamic mode: [B, D] of each row's last real token
         self.recording = False
         self.offloading = False
         self.layer_class_to_replicate = None
@@ -417,6 +420,8 @@ class KimiHybridCache(Cache):
                 layer.latent = fn(layer.latent)
         if self.key_mask is not None:
             self.key_mask = fn(self.key_mask)
+        if self.last_hidden is not None:
+            self.last_hidden = fn(self.last_hidden)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: select rows ``beam_idx`` of every KDA conv/recurrent state and MLA latent."""
@@ -456,6 +461,7 @@ class KimiHybridCache(Cache):
             for i, t in enumerate(self.layer_types):
                 self.layers[i] = KDALayerCache() if t == LINEAR else MLALayerCache()
             self.key_mask = None
+        self.last_hidden = None
         self.seen_tokens = 0
 
     # -- rollback -------------------------------------------------------------------------------------------------
@@ -504,6 +510,7 @@ class KimiHybridCache(Cache):
                 layer.latent = layer.latent[:, :target]
         if self.key_mask is not None and not self.static:
             self.key_mask = self.key_mask[:, :target]
+        self.last_hidden = None  # it belonged to a removed token
         if self.static:
             self._pos.fill_(target)
             self.key_mask[:, target:] = False
@@ -513,7 +520,8 @@ class KimiHybridCache(Cache):
     def snapshot(self) -> "KimiHybridCache":
         """A detached deep copy of the cache (rollback records dropped)."""
         new = KimiHybridCache.__new__(KimiHybridCache)
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("layers", "key_mask", "_pos")})
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("layers", "key_mask", "_pos",
+                                                                                    "last_hidden")})
         new.layers = []
         for layer in self.layers:
             c = KDALayerCache() if isinstance(layer, KDALayerCache) else MLALayerCache()
@@ -521,6 +529,7 @@ class KimiHybridCache(Cache):
                 setattr(c, name, t.detach().clone())
             new.layers.append(c)
         new.key_mask = None if self.key_mask is None else self.key_mask.clone()
+        new.last_hidden = None if self.last_hidden is None else self.last_hidden.detach().clone()
         new._pos = None if self._pos is None else self._pos.clone()
         new.config = self.config
         new.fingerprint = copy.deepcopy(self.fingerprint)
@@ -564,6 +573,7 @@ class KimiHybridCache(Cache):
         other = snap.snapshot()
         self.layers = other.layers
         self.key_mask = other.key_mask
+        self.last_hidden = other.last_hidden
         self._pos = other._pos
         self.seen_tokens = other.seen_tokens
         self.static = other.static
@@ -582,6 +592,8 @@ class KimiHybridCache(Cache):
                 tensors[f"layers.{i}.{name}"] = t.detach().contiguous().cpu()
         if self.key_mask is not None:
             tensors["key_mask"] = self.key_mask.detach().to(torch.uint8).contiguous().cpu()
+        if self.last_hidden is not None:
+            tensors["last_hidden"] = self.last_hidden.detach().contiguous().cpu()
         meta = {
             "format": CACHE_FORMAT,
             "version": str(CACHE_FORMAT_VERSION),
@@ -624,6 +636,9 @@ class KimiHybridCache(Cache):
             if key == "key_mask":
                 cache.key_mask = t.bool()
                 continue
+            if key == "last_hidden":
+                cache.last_hidden = t
+                continue
             _, i, name = key.split(".", 2)
             setattr(cache.layers[int(i)], name, t)
         cache.seen_tokens = int(meta["seen_tokens"])
@@ -643,6 +658,8 @@ class KimiHybridCache(Cache):
                 layer.record = None
         if self.key_mask is not None:
             self.key_mask = self.key_mask.to(device)
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden.to(device)
         if self._pos is not None:
             self._pos = self._pos.to(device)
         return self
@@ -652,7 +669,8 @@ class KimiHybridCache(Cache):
         """Bytes held, per layer type and in total, summed from the tensors actually held (byte-exact).
 
         Returns a dict: ``kda_bytes`` (conv windows + fp32 recurrent states), ``mla_bytes`` (latents),
-        ``mask_bytes`` (key-padding mask), ``rollback_bytes`` (assisted-decoding records), ``total_bytes``,
+        ``mask_bytes`` (key-padding mask), ``hidden_bytes`` (``last_hidden``, one hidden state per row),
+        ``rollback_bytes`` (assisted-decoding records), ``total_bytes``,
         ``seen_tokens``, ``per_layer`` (list of (layer_type, bytes)), and the formula values
         ``mla_bytes_per_token`` and ``kda_bytes_constant`` for the current batch size and dtypes.
         """
@@ -667,6 +685,7 @@ class KimiHybridCache(Cache):
             else:
                 mla += b
         mask = 0 if self.key_mask is None else self.key_mask.numel() * self.key_mask.element_size()
+        hid = 0 if self.last_hidden is None else self.last_hidden.numel() * self.last_hidden.element_size()
         B = self.batch_size or 0
         H, K, W, Dl = self._dims()
         lat_dtype = next((l.latent.element_size() for l in self.layers
@@ -680,8 +699,9 @@ class KimiHybridCache(Cache):
             "kda_bytes": kda,
             "mla_bytes": mla,
             "mask_bytes": mask,
+            "hidden_bytes": hid,
             "rollback_bytes": rec,
-            "total_bytes": kda + mla + mask + rec,
+            "total_bytes": kda + mla + mask + hid + rec,
             "mla_bytes_per_token": B * n_mla * Dl * lat_dtype,
             "kda_bytes_constant": B * n_kda * (3 * H * K * (W - 1) * conv_dtype + H * K * K * 4),
             "per_layer": per_layer,

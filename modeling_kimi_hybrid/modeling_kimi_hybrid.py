@@ -788,12 +788,17 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
                              self.config.rms_norm_eps)
         h = self.norm(h)
         if token_mask is not None:
-            # a pad's output repeats the output of its row's last real token before it in this call, so the last
-            # position of a right-padded row predicts that row's next token (generate reads logits[:, -1])
+            # a pad's output repeats the output of its row's last real token before it (in this call, else the one
+            # the dynamic cache kept), so the last position of a right-padded row predicts that row's next token
+            # (generate reads logits[:, -1]), also when the last piece of a chunked prefill is all padding
             pos = torch.arange(T, device=h.device).expand(B, T)
             last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
             src = torch.where(last >= 0, last, pos)
             h = h.gather(1, src.unsqueeze(-1).expand_as(h))
+            if cache is not None and not static and cache.last_hidden is not None:
+                h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
+        if cache is not None and not static:
+            cache.last_hidden = h[:, -1].detach().clone()
         if all_hidden is not None:
             all_hidden.append(h)
         if cache is not None:

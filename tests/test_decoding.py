@@ -450,6 +450,8 @@ def test_chunked_prefill_of_padded_batch_and_generation(preset):
         assert (got[i][mask1[i].bool()] - alone).abs().max() <= ATOL, i
     # generated tokens: padded batch == each row alone (and the batch without any mask for later steps)
     out = gen(m, ids, attention_mask=mask, max_new_tokens=5)
+    # transformers' own chunked prefill (its last piece is all padding for the right-padded row)
+    assert torch.equal(gen(m, ids, attention_mask=mask, max_new_tokens=5, prefill_chunk_size=4), out)
     for i, r in enumerate(rows):
         alone = gen(m, r.unsqueeze(0), max_new_tokens=5)[0, len(r):]  # (shorter if it stopped at EOS)
         assert torch.equal(out[i, ids.shape[1]:ids.shape[1] + len(alone)], alone), i

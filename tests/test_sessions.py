@@ -62,7 +62,8 @@ def gen(model, ids, **kw):
 
 
 def _tensors(cache):
-    return [t for layer in cache.layers for t in layer.tensors().values()] + [cache.key_mask]
+    extra = [cache.last_hidden] if cache.last_hidden is not None else []
+    return [t for layer in cache.layers for t in layer.tensors().values()] + [cache.key_mask] + extra
 
 
 # ---------------------------------------------------------------------------------------------------------------
