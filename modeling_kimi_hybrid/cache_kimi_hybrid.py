@@ -500,9 +500,10 @@ class KimiHybridCache(Cache):
                     raise ValueError(
                         f"cannot crop KDA layer {i} from {cur} to {target} tokens: a recurrent state can only be "
                         f"rolled back inside its recorded window {window} (positions [anchor, end]). Call "
-                        f"activate_past_recording() before the forwards to undo (padded or packed forwards are not "
-                        f"recorded), undo at most kda_record_max_tokens={self.config.kda_record_max_tokens} tokens, "
-                        f"or use snapshot()/restore() for longer rollbacks")
+                        f"activate_past_recording() before the forwards to undo (a packed forward, or one run with "
+                        f"recording off, ends the record), undo at most kda_record_max_tokens="
+                        f"{self.config.kda_record_max_tokens} tokens, or use snapshot()/restore() for longer "
+                        f"rollbacks")
         for layer in self.layers:
             if isinstance(layer, KDALayerCache):
                 layer.rollback(target, in_place=self.static)
