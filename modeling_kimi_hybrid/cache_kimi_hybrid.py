@@ -10,18 +10,43 @@
 
 The sequence length comes from a position counter (``seen_tokens``), never from layer 0 (often a KDA layer).
 
-Modes: dynamic (latents grow by concatenation) and static (``max_cache_len`` given: every buffer pre-allocated and
-updated in place at positions held in a device tensor, so a decode step can be compiled / CUDA-graph captured).
+Modes: dynamic (latents grow by concatenation) and static (``max_cache_len`` given, or
+``generate(..., cache_implementation="static")``): every buffer is pre-allocated at the first forward and updated in
+place at positions taken from a device counter ``_pos`` (``seen_tokens`` reads it), so a decode step has fixed shapes
+and addresses and no Python int that changes per step: it compiles to one graph (``torch.compile``) or can be
+CUDA-graph captured. Zeroed KDA buffers are the "no state yet" state. Batch-changing operations
+(``batch_repeat_interleave``, ``batch_select_indices``) need a dynamic cache.
 
 Rollback for assisted / speculative decoding (``crop``): a recurrent state cannot be un-applied, so while
-``activate_past_recording()`` is on, each KDA layer keeps, for the last forward call, the state and conv window at
-an anchor position plus the step's (post-conv) k, v, decay, beta and pre-conv inputs of at most
-``config.kda_record_max_tokens`` tokens after the anchor. ``crop`` to a length inside that window re-runs the
-recurrence from the anchor over the kept tokens. Memory: one state copy + ``R * (6 P + H)`` values per layer and row
-(R = recorded tokens, P = H*K); cost: one recurrence over at most R tokens per KDA layer.
+``activate_past_recording()`` is on each KDA layer keeps a *record*: the recurrent state and conv window at an anchor
+position plus, for every later token up to the current length, the post-conv q/k/v, the decay g, beta, the pre-conv
+q|k|v input and a validity flag. Records chain across forward calls (an assistant model drafts one token per call and
+is then rolled back over several calls; ``generate`` switches recording on for the main cache and, through
+``KimiHybridForCausalLM._prepare_cache_for_generation``, for the draft's). ``crop`` to any length inside
+``[anchor, length]`` replays the recurrence from the anchor over the kept tokens; the record then ends at the new
+length and keeps chaining. Padded forwards are recorded in position order with their pads neutral (k = g = beta = 0:
+the state is untouched, and pads never enter the conv window), since transformers' draft model treats a generated
+pad-token id as padding. A forward without recording (or a packed one) drops the record; a crop then raises.
 
-Agent sessions: ``snapshot`` / ``restore`` / ``fork``, ``save`` / ``load`` (safetensors, versioned, sha256 checksum,
-config fingerprint), and ``memory_report`` (bytes per layer type, byte-exact against the tensors held).
+With R = ``config.kda_record_max_tokens`` (default 64), P = H*K, per KDA layer and batch row:
+
+* rollback depth: at least ``min(R, tokens recorded since recording started)`` tokens back, always;
+* memory: one state copy ``H*K*V`` fp32 + one conv window ``3P*(W-1)`` + at most ``2R`` recorded tokens, each
+  ``6P`` values in the model dtype (q, k, v, x) + ``P + H`` fp32 (g, beta) + 1 byte. Kimi-Linear in bf16 (H=32,
+  K=V=128, P=4096, R=64): 2 MiB + 72 KiB + 128 * 64.1 KiB = about 10.1 MiB per KDA layer and row at most;
+* compute: when a chained record passes 2R tokens its anchor moves forward by replaying the oldest R tokens once
+  (amortised: one extra recurrence step per recorded token; no projection, conv or MLP is recomputed); an unpadded
+  forward of T >= R tokens restarts the record inside the call at no extra cost; ``crop`` costs one recurrence over
+  at most 2R tokens per KDA layer. Without recording none of this is kept or computed.
+
+Recording stays on for a cache that ``generate`` returns after assisted decoding; ``deactivate_past_recording()``
+drops the records. ``memory_report()["rollback_bytes"]`` counts them.
+
+Agent sessions: ``snapshot`` / ``restore`` (in place for a static cache) / ``fork(batch_repeats)``, ``save`` /
+``load`` (safetensors, format ``kimi-hybrid-cache`` version 1, sha256 over every tensor, config fingerprint checked on
+load), and ``memory_report`` (bytes per layer type, byte-exact against the tensors held). Prefix reuse:
+``KimiHybridForCausalLM.prefill_prefix`` runs a shared prefix once; ``fork()`` its cache per continuation or call
+``generate_from_prefix`` for a batch (``examples/bench_prefix_reuse.py`` measures the time saved).
 """
 
 from __future__ import annotations
@@ -36,9 +61,9 @@ import torch
 from transformers.cache_utils import Cache
 
 try:  # relative import inside the package / Hub bundle
-    from .kda_kimi_hybrid import recurrent_kda_ref
+    from .kda_kimi_hybrid import kda_chunk, kda_recurrent
 except ImportError:  # pragma: no cover
-    from kda_kimi_hybrid import recurrent_kda_ref  # type: ignore
+    from kda_kimi_hybrid import kda_chunk, kda_recurrent  # type: ignore
 
 CACHE_FORMAT = "kimi-hybrid-cache"
 CACHE_FORMAT_VERSION = 1
@@ -87,6 +112,81 @@ class KDALayerCache:
             return 0
         return sum(t.numel() * t.element_size() for t in self.record.values() if isinstance(t, torch.Tensor))
 
+    # -- rollback record (see the module doc) ----------------------------------------------------------------------
+    RECORD_KEYS = ("q", "k", "v", "g", "beta", "x", "valid")
+
+    def start_record(self, anchor: int, state: torch.Tensor, window: torch.Tensor,
+                     tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
+        """Start a record at position ``anchor`` with ``state [B, H, K, V]`` fp32 and ``window [B, 3P, W-1]`` there,
+        followed by ``tokens`` in position order: ``q, k, v [B, n, H, K]`` (post-conv), ``g [B, n, H, K]``,
+        ``beta [B, n, H]``, ``x [B, n, 3P]`` (pre-conv) and ``valid [B, n]`` bool (False = padding: its k, g and
+        beta are zero, so it leaves the state alone, and it never enters the conv window)."""
+        n = tokens["q"].shape[1]
+        self.record = {"anchor": int(anchor), "end": int(anchor) + n, "state": state.detach().clone(),
+                       "window": window.detach().clone()}
+        for name in self.RECORD_KEYS:
+            self.record[name] = tokens[name].detach().clone()
+        self._bound_record(max_tokens)
+
+    def extend_record(self, tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
+        """Append the tokens of the next forward call (same layout as :meth:`start_record`)."""
+        rec = self.record
+        for name in self.RECORD_KEYS:
+            rec[name] = torch.cat([rec[name], tokens[name].detach().to(rec[name].dtype)], dim=1)
+        rec["end"] += tokens["q"].shape[1]
+        self._bound_record(max_tokens)
+
+    def _bound_record(self, max_tokens: int) -> None:
+        """Past ``2 * max_tokens`` recorded tokens, move the anchor so that ``max_tokens`` stay (one replay of the
+        dropped tokens)."""
+        rec = self.record
+        n = rec["end"] - rec["anchor"]
+        if n > 2 * max_tokens:
+            d = n - max_tokens
+            rec["state"], rec["window"] = replay_record(rec, d)
+            rec["anchor"] += d
+            for name in self.RECORD_KEYS:
+                rec[name] = rec[name][:, d:].contiguous()
+
+    def rollback(self, target: int, in_place: bool = False) -> None:
+        """Set the conv window and recurrent state to their values at position ``target`` (inside the record);
+        the record is trimmed to end there. ``in_place``: copy into the existing buffers (static mode)."""
+        rec = self.record
+        m = target - rec["anchor"]
+        state, window = replay_record(rec, m)
+        for name in self.RECORD_KEYS:
+            rec[name] = rec[name][:, :m]
+        rec["end"] = int(target)
+        if in_place:
+            self.conv_state.copy_(window)
+            self.recurrent_state.copy_(state)
+        else:
+            self.conv_state = window.clone()
+            self.recurrent_state = state.clone()
+
+
+def replay_record(rec: Dict[str, Any], m: int):
+    """Run the recorded recurrence and conv window forward ``m`` tokens from the anchor.
+    Returns ``(state [B, H, K, V] fp32, window [B, 3P, W-1])`` at position ``anchor + m``."""
+    state, window = rec["state"], rec["window"]
+    if m <= 0:
+        return state, window
+    args = [rec[name][:, :m] for name in ("q", "k", "v", "g", "beta")]
+    run = kda_recurrent if m <= 64 else kda_chunk
+    with torch.no_grad():
+        _, state = run(*args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    B, C, W1 = window.shape
+    x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)  # [B, C, W1 + m]
+    valid = rec["valid"][:, :m]
+    if bool(valid.all()):
+        return state, x[..., x.shape[-1] - W1:]
+    # the last W-1 real inputs of each row, oldest first (pads never enter the window)
+    valid = torch.cat([valid.new_ones(B, W1), valid], dim=1)
+    order = (~valid).to(torch.int8).argsort(dim=1, stable=True)  # real columns first, in order
+    pick = valid.sum(1, keepdim=True) - W1 + torch.arange(W1, device=valid.device).unsqueeze(0)
+    cols = order.gather(1, pick)
+    return state, x.gather(2, cols.unsqueeze(1).expand(B, C, W1))
+
 
 class MLALayerCache:
     """Cache of one MLA layer: ``latent [B, T, kv_lora_rank + rope]`` (normalised c_kv | k_pe), model dtype.
@@ -115,7 +215,9 @@ class KimiHybridCache(Cache):
 
     Per-layer state: ``cache.layers[i]`` is a :class:`KDALayerCache` or :class:`MLALayerCache`.
     The key-padding mask of every token seen so far is kept in ``key_mask [B, T]`` (bool) so that a later forward
-    without an ``attention_mask`` still ignores earlier padding.
+    without an ``attention_mask`` still ignores earlier padding. Dynamic mode also keeps ``last_hidden [B, D]``, the
+    final hidden state of each row's last real token, so that a forward whose tokens are all padding for a row (a
+    right-padded row in the last piece of a chunked prefill) still outputs that row's next-token prediction.
     """
 
     def __init__(self, config, max_cache_len: Optional[int] = None, batch_size: Optional[int] = None,
@@ -127,9 +229,10 @@ class KimiHybridCache(Cache):
         self.fingerprint = config_fingerprint(config)
         self.max_cache_len = max_cache_len
         self.static = max_cache_len is not None
-        self.seen_tokens = 0
-        self._pos: Optional[torch.Tensor] = None  # static mode: device counter
+        self._pos: Optional[torch.Tensor] = None  # static mode: device counter (the length lives there)
+        self._seen = 0  # dynamic mode: the length
         self.key_mask: Optional[torch.Tensor] = None
+        self.last_hidden: Optional[torch.Tensor] = None  # dynamic mode: [B, D] of each row's last real token
         self.recording = False
         self.offloading = False
         self.layer_class_to_replicate = None
@@ -178,6 +281,20 @@ class KimiHybridCache(Cache):
         mode = f"static(max_cache_len={self.max_cache_len})" if self.static else "dynamic"
         return (f"KimiHybridCache({mode}, seen_tokens={self.get_seq_length()}, "
                 f"kda_layers={self.layer_types.count(LINEAR)}, mla_layers={self.layer_types.count(FULL)})")
+
+    @property
+    def seen_tokens(self) -> int:
+        """Tokens seen so far. Static mode: read from the device counter ``_pos`` (the model never reads it inside
+        a forward in static mode, so a compiled decode step has no Python int that changes every step)."""
+        if self._pos is not None:
+            return int(self._pos)
+        return self._seen
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int) -> None:
+        self._seen = int(value)
+        if self._pos is not None:
+            self._pos.fill_(int(value))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far (a position counter, the same for every layer)."""
@@ -230,6 +347,13 @@ class KimiHybridCache(Cache):
         """Keep what ``crop`` needs to roll the KDA states back inside the latest forward call (assisted decoding)."""
         self.recording = True
 
+    def deactivate_past_recording(self) -> None:
+        """Stop recording and drop the rollback records (frees their memory)."""
+        self.recording = False
+        for layer in self.layers:
+            if isinstance(layer, KDALayerCache):
+                layer.record = None
+
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         return self.recording
 
@@ -278,9 +402,10 @@ class KimiHybridCache(Cache):
 
     def advance(self, num_tokens: int) -> None:
         """Move the position counter after every layer has seen ``num_tokens`` new tokens."""
-        self.seen_tokens += int(num_tokens)
-        if self.static:
+        if self._pos is not None:
             self._pos.add_(num_tokens)
+        else:
+            self._seen += int(num_tokens)
 
     # -- batch reshaping (beam search, sampling with num_return_sequences, agent forks) -------------------------
     def _map_tensors(self, fn) -> None:
@@ -295,6 +420,8 @@ class KimiHybridCache(Cache):
                 layer.latent = fn(layer.latent)
         if self.key_mask is not None:
             self.key_mask = fn(self.key_mask)
+        if self.last_hidden is not None:
+            self.last_hidden = fn(self.last_hidden)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: select rows ``beam_idx`` of every KDA conv/recurrent state and MLA latent."""
@@ -334,75 +461,68 @@ class KimiHybridCache(Cache):
             for i, t in enumerate(self.layer_types):
                 self.layers[i] = KDALayerCache() if t == LINEAR else MLALayerCache()
             self.key_mask = None
+        self.last_hidden = None
         self.seen_tokens = 0
 
     # -- rollback -------------------------------------------------------------------------------------------------
     def crop(self, max_length: int) -> None:
-        """Roll the cache back. A negative value removes that many tokens (transformers >= 5.20 semantics used by
-        assisted decoding); a non-negative value keeps the first ``max_length`` tokens.
+        """Roll the cache back.
 
-        MLA latents are sliced. KDA states are recomputed from the recording anchor of the last forward call, so the
-        target must lie inside it (``activate_past_recording()`` must be on).
+        ``max_length <= 0``: remove ``-max_length`` tokens (transformers >= 5.20 semantics, used by assisted decoding;
+        ``crop(0)`` is a no-op). ``max_length > 0``: keep the first ``max_length`` tokens (the legacy absolute form).
+        Use :meth:`reset` to drop everything.
+
+        MLA latents are sliced. KDA states are replayed from the rollback record (see the module doc), so the
+        target must lie inside it: ``activate_past_recording()`` must have been on during the forwards being undone.
 
         Raises:
-            ValueError: target below 0 or above the current length, or before the recorded window of a KDA layer.
+            ValueError: more tokens to remove than the cache holds, a length beyond the current one, or a target
+                before the recorded window of a KDA layer (or no record at all).
         """
         cur = self.seen_tokens
-        target = cur + max_length if max_length < 0 else max_length
-        if target > cur:
-            return  # nothing to remove (transformers' convention)
-        if target < 0:
-            raise ValueError(f"cannot crop {-max_length} tokens from a cache holding {cur}")
+        if max_length <= 0:
+            if -max_length > cur:
+                raise ValueError(f"cannot crop {-max_length} tokens from a cache holding {cur}")
+            target = cur + max_length
+        else:
+            if max_length > cur:
+                raise ValueError(f"cannot crop to {max_length} tokens: the cache holds only {cur} (crop only removes "
+                                 "tokens)")
+            target = max_length
         if target == cur:
             return
-        # KDA layers first (they may refuse)
+        # KDA layers first (they may refuse): nothing is changed unless every layer can roll back
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KDALayerCache):
                 rec = layer.record
-                if rec is None or not (rec["anchor"] <= target <= rec["end"]):
-                    window = None if rec is None else (rec["anchor"], rec["end"])
+                if rec is None or rec["end"] != cur or not (rec["anchor"] <= target <= rec["end"]):
+                    window = None if rec is None or rec["end"] != cur else (rec["anchor"], rec["end"])
                     raise ValueError(
-                        f"cannot crop KDA layer {i} to {target} tokens: a recurrent state can only be rolled back "
-                        f"inside the recorded window {window} of the last forward call (call "
-                        f"activate_past_recording() before it, keep steps <= kda_record_max_tokens="
-                        f"{self.config.kda_record_max_tokens}, or use snapshot()/restore() for longer rollbacks)")
+                        f"cannot crop KDA layer {i} from {cur} to {target} tokens: a recurrent state can only be "
+                        f"rolled back inside its recorded window {window} (positions [anchor, end]). Call "
+                        f"activate_past_recording() before the forwards to undo (a packed forward, or one run with "
+                        f"recording off, ends the record), undo at most kda_record_max_tokens="
+                        f"{self.config.kda_record_max_tokens} tokens, or use snapshot()/restore() for longer "
+                        f"rollbacks")
         for layer in self.layers:
             if isinstance(layer, KDALayerCache):
-                self._rollback_kda(layer, target)
+                layer.rollback(target, in_place=self.static)
             elif layer.latent is not None and not self.static:
                 layer.latent = layer.latent[:, :target]
         if self.key_mask is not None and not self.static:
             self.key_mask = self.key_mask[:, :target]
+        self.last_hidden = None  # it belonged to a removed token
         if self.static:
             self._pos.fill_(target)
             self.key_mask[:, target:] = False
         self.seen_tokens = target
 
-    def _rollback_kda(self, layer: KDALayerCache, target: int) -> None:
-        rec = layer.record
-        m = target - rec["anchor"]
-        S = rec["state"]
-        window = rec["window"]
-        if m > 0:
-            W1 = window.shape[-1]
-            _, S = recurrent_kda_ref(rec["q"][:, :m], rec["k"][:, :m], rec["v"][:, :m], rec["g"][:, :m],
-                                     rec["beta"][:, :m], initial_state=S, output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True)
-            x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)
-            window = x[..., x.shape[-1] - W1:]
-        if self.static:
-            layer.conv_state.copy_(window)
-            layer.recurrent_state.copy_(S)
-        else:
-            layer.conv_state = window.clone()
-            layer.recurrent_state = S.clone()
-        layer.record = None
-
     # -- agent sessions ------------------------------------------------------------------------------------------
     def snapshot(self) -> "KimiHybridCache":
         """A detached deep copy of the cache (rollback records dropped)."""
         new = KimiHybridCache.__new__(KimiHybridCache)
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("layers", "key_mask", "_pos")})
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("layers", "key_mask", "_pos",
+                                                                                    "last_hidden")})
         new.layers = []
         for layer in self.layers:
             c = KDALayerCache() if isinstance(layer, KDALayerCache) else MLALayerCache()
@@ -410,12 +530,21 @@ class KimiHybridCache(Cache):
                 setattr(c, name, t.detach().clone())
             new.layers.append(c)
         new.key_mask = None if self.key_mask is None else self.key_mask.clone()
+        new.last_hidden = None if self.last_hidden is None else self.last_hidden.detach().clone()
         new._pos = None if self._pos is None else self._pos.clone()
         new.config = self.config
         new.fingerprint = copy.deepcopy(self.fingerprint)
         return new
 
-    fork = snapshot
+    def fork(self, batch_repeats: int = 1) -> "KimiHybridCache":
+        """An independent copy to continue from (an agent branch, or one shared prefix for many prompts): a
+        :meth:`snapshot`, with every row repeated ``batch_repeats`` times (row order b0, b0, ..., b1, b1, ...)."""
+        new = self.snapshot()
+        if batch_repeats != 1:
+            if batch_repeats < 1:
+                raise ValueError(f"batch_repeats must be >= 1, got {batch_repeats}")
+            new.batch_repeat_interleave(int(batch_repeats))
+        return new
 
     def restore(self, snap: "KimiHybridCache") -> None:
         """Make this cache equal to ``snap`` (a :meth:`snapshot` of a cache of the same model and batch size).
@@ -436,6 +565,8 @@ class KimiHybridCache(Cache):
             for a, b in zip(self.layers, snap.layers):
                 for name, t in a.tensors().items():
                     t.copy_(getattr(b, name))
+                if isinstance(a, KDALayerCache):
+                    a.record = None  # it described the history that was just replaced
             self.key_mask.copy_(snap.key_mask)
             self._pos.copy_(snap._pos)
             self.seen_tokens = snap.seen_tokens
@@ -443,6 +574,7 @@ class KimiHybridCache(Cache):
         other = snap.snapshot()
         self.layers = other.layers
         self.key_mask = other.key_mask
+        self.last_hidden = other.last_hidden
         self._pos = other._pos
         self.seen_tokens = other.seen_tokens
         self.static = other.static
@@ -461,6 +593,8 @@ class KimiHybridCache(Cache):
                 tensors[f"layers.{i}.{name}"] = t.detach().contiguous().cpu()
         if self.key_mask is not None:
             tensors["key_mask"] = self.key_mask.detach().to(torch.uint8).contiguous().cpu()
+        if self.last_hidden is not None:
+            tensors["last_hidden"] = self.last_hidden.detach().contiguous().cpu()
         meta = {
             "format": CACHE_FORMAT,
             "version": str(CACHE_FORMAT_VERSION),
@@ -503,6 +637,9 @@ class KimiHybridCache(Cache):
             if key == "key_mask":
                 cache.key_mask = t.bool()
                 continue
+            if key == "last_hidden":
+                cache.last_hidden = t
+                continue
             _, i, name = key.split(".", 2)
             setattr(cache.layers[int(i)], name, t)
         cache.seen_tokens = int(meta["seen_tokens"])
@@ -522,6 +659,8 @@ class KimiHybridCache(Cache):
                 layer.record = None
         if self.key_mask is not None:
             self.key_mask = self.key_mask.to(device)
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden.to(device)
         if self._pos is not None:
             self._pos = self._pos.to(device)
         return self
@@ -531,8 +670,8 @@ class KimiHybridCache(Cache):
         """Bytes held, per layer type and in total, summed from the tensors actually held (byte-exact).
 
         Returns a dict: ``kda_bytes`` (conv windows + fp32 recurrent states; split into ``kda_state_bytes`` and
-        ``kda_conv_bytes``), ``mla_bytes`` (latents),
-        ``mask_bytes`` (key-padding mask), ``rollback_bytes`` (assisted-decoding records), ``total_bytes``,
+        ``kda_conv_bytes``), ``mla_bytes`` (latents), ``mask_bytes`` (key-padding mask), ``hidden_bytes``
+        (``last_hidden``, one hidden state per row), ``rollback_bytes`` (assisted-decoding records), ``total_bytes``,
         ``seen_tokens``, ``per_layer`` (list of (layer_type, bytes)), and the formula values
         ``mla_bytes_per_token`` and ``kda_bytes_constant`` for the current batch size and dtypes.
         """
@@ -549,6 +688,7 @@ class KimiHybridCache(Cache):
             else:
                 mla += b
         mask = 0 if self.key_mask is None else self.key_mask.numel() * self.key_mask.element_size()
+        hid = 0 if self.last_hidden is None else self.last_hidden.numel() * self.last_hidden.element_size()
         B = self.batch_size or 0
         H, K, W, Dl = self._dims()
         lat_dtype = next((l.latent.element_size() for l in self.layers
@@ -564,8 +704,9 @@ class KimiHybridCache(Cache):
             "kda_conv_bytes": kda - kda_state,
             "mla_bytes": mla,
             "mask_bytes": mask,
+            "hidden_bytes": hid,
             "rollback_bytes": rec,
-            "total_bytes": kda + mla + mask + rec,
+            "total_bytes": kda + mla + mask + hid + rec,
             "mla_bytes_per_token": B * n_mla * Dl * lat_dtype,
             "kda_bytes_constant": B * n_kda * (3 * H * K * (W - 1) * conv_dtype + H * K * K * 4),
             "per_layer": per_layer,

@@ -39,7 +39,8 @@ try:
 except ImportError:  # pragma: no cover
     init = nn.init
 
-from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache
+from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
+from .cache_kimi_hybrid import _diff as _fingerprint_diff
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv, short_conv_update
 
@@ -383,18 +384,22 @@ class KimiDeltaAttention(nn.Module):
             return y.reshape(B, T, -1)
         if token_mask is None:
             return self._forward_core(x, cache, None, None, None)
+        if T == 1:  # one token (decode): nothing to move, the mask is the validity
+            y = self._forward_core(x, cache, token_mask, token_mask.sum(1), None, token_mask=token_mask)
+            return y * token_mask.unsqueeze(-1).to(y.dtype)
         perm, lengths = _compact(token_mask)
         xc = x.gather(1, perm.unsqueeze(-1).expand_as(x))
         valid = torch.arange(T, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
-        yc = self._forward_core(xc, cache, valid, lengths, None)
+        yc = self._forward_core(xc, cache, valid, lengths, None, perm=perm, token_mask=token_mask)
         y = torch.zeros_like(yc).scatter(1, perm.unsqueeze(-1).expand_as(yc), yc)
         return y * token_mask.unsqueeze(-1).to(y.dtype)
 
-    def _forward_core(self, x, cache, valid, lengths, cu_seqlens):
+    def _forward_core(self, x, cache, valid, lengths, cu_seqlens, perm=None, token_mask=None):
         B, T, _ = x.shape
         H, K, P, W = self.num_heads, self.head_dim, self.proj_dim, self.conv_size
         layer: Optional[KDALayerCache] = cache.layers[self.layer_idx] if cache is not None else None
-        has_state = layer is not None and layer.recurrent_state is not None and cache.seen_tokens > 0
+        # static buffers start at zero, which is the same as "no state": no length read in static mode
+        has_state = layer is not None and layer.recurrent_state is not None and (cache.static or cache.seen_tokens > 0)
         x_raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
         weight = self.conv_weight()
         conv_state = layer.conv_state if has_state else None
@@ -421,13 +426,13 @@ class KimiDeltaAttention(nn.Module):
         init_state = layer.recurrent_state if has_state else None
         want_state = cache is not None
         record = cache is not None and cache.recording and cu_seqlens is None
+        if layer is not None and not record:
+            layer.record = None  # a record must cover every token up to the current length
         if record:
-            o, final = self._run_recording(q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer)
-        elif has_state and T <= 64 and not torch.is_grad_enabled():
-            o, final = kda_recurrent(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state)
+            o, final = self._run_recording(q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm,
+                                           token_mask)
         else:
-            o, final = kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
-                                 cu_seqlens=cu_seqlens)
+            o, final = self._run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens)
         if cache is not None:
             self._store(cache, layer, new_window, final)
         if self.config.use_full_rank_gate:
@@ -454,31 +459,50 @@ class KimiDeltaAttention(nn.Module):
             layer.conv_state = window
             layer.recurrent_state = state
 
-    def _run_recording(self, q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer):
-        """Run the step keeping a rollback anchor no more than ``kda_record_max_tokens`` before its end."""
+    @staticmethod
+    def _run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens=None):
+        """Recurrent kernel for short decode steps from a state (no grad), chunked otherwise."""
+        if init_state is not None and q.shape[1] <= 64 and not torch.is_grad_enabled():
+            return kda_recurrent(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state)
+        return kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
+                         cu_seqlens=cu_seqlens)
+
+    def _run_recording(self, q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm=None,
+                       token_mask=None):
+        """Run the step and keep the rollback record of the cache (module doc of cache_kimi_hybrid): append to the
+        record when it ends where this call starts and the call is shorter than ``kda_record_max_tokens`` (R), else
+        start a new record anchored ``min(T, R)`` tokens before the end of the call (the state there comes from
+        splitting the kernel call, no extra work). A padded call (``token_mask``; ``perm`` from the compaction) is
+        recorded in position order with its pads neutral (k = g = beta = 0), anchored at the start of the call."""
         B, T = q.shape[:2]
-        R = min(T, int(self.config.kda_record_max_tokens))
-        split = T - R
+        R = max(1, int(self.config.kda_record_max_tokens))
+        start = cache.seen_tokens
+        tokens = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "x": x_raw}
+        if perm is not None:  # back to position order: pads land on their positions with k = g = beta = 0
+            tokens = {n: torch.zeros_like(t).scatter(1, perm.view(B, T, *([1] * (t.dim() - 2))).expand_as(t), t)
+                      for n, t in tokens.items()}
+        padded = token_mask is not None
+        tokens["valid"] = token_mask if padded else torch.ones(B, T, dtype=torch.bool, device=q.device)
+        if layer.record is not None and layer.record["end"] == start and (T < R or padded):
+            o, final = self._run_kda(q, k, v, g, beta, init_state, True)
+            layer.extend_record(tokens, R)
+            return o, final
         H, K, W1 = self.num_heads, self.head_dim, self.conv_size - 1
+        split = 0 if padded else max(0, T - R)
         S0 = init_state if init_state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+        W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W1)
         outs = []
         if split > 0:
             o1, S0 = kda_chunk(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
                                initial_state=init_state, output_final_state=True)
             outs.append(o1)
-        prev = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W1)
-        full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)
-        window = full[..., split:split + W1]
-        o2, final = kda_chunk(q[:, split:], k[:, split:], v[:, split:], g[:, split:], beta[:, split:],
-                              initial_state=S0, output_final_state=True)
+            full = torch.cat([W0.to(x_raw.dtype), x_raw[:, :split].transpose(1, 2)], dim=-1)
+            W0 = full[..., full.shape[-1] - W1:]
+        rest = [t[:, split:] for t in (q, k, v, g, beta)]
+        o2, final = self._run_kda(*rest, S0 if (split > 0 or init_state is not None) else None, True)
         outs.append(o2)
-        start = cache.seen_tokens
-        layer.record = {
-            "anchor": start + split, "end": start + T, "state": S0.detach().clone(), "window": window.detach().clone(),
-            "q": q[:, split:].detach(), "k": k[:, split:].detach(), "v": v[:, split:].detach(),
-            "g": g[:, split:].detach(), "beta": beta[:, split:].detach(), "x": x_raw[:, split:].detach(),
-        }
-        return torch.cat(outs, 1), final
+        layer.start_record(start + split, S0, W0, {name: t[:, split:] for name, t in tokens.items()}, R)
+        return torch.cat(outs, 1) if len(outs) > 1 else o2, final
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -784,8 +808,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         """Args: ``input_ids [B, T]`` (or ``inputs_embeds [B, T, D]``); ``attention_mask [B, past + T]`` or
         ``[B, T]`` 0/1 (2-D only; pads anywhere); ``position_ids [B, T]`` (only used to detect packed documents:
         a 0 after the first token starts a new one, when there is no mask and no cache); ``cu_seqlens [N + 1]``
-        packed boundaries for batch 1. Raises ValueError on a 4-D mask, a cache of another model, or batch
-        mismatches."""
+        packed boundaries for batch 1. A padded position changes no state and no real position's output; its own
+        output repeats that of the last real token before it in the same call (right-padded rows generate right).
+        Raises ValueError on a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given
+        cache, or a static cache that would overflow."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -802,14 +828,21 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
                 raise ValueError(f"KimiHybrid needs a KimiHybridCache, got a filled {type(cache).__name__}")
         if use_cache and cache is None:
             cache = KimiHybridCache(self.config)
+        static = cache is not None and cache.static
         if cache is not None:
-            if cache.fingerprint != KimiHybridCache(self.config).fingerprint:
+            want = config_fingerprint(self.config)
+            if cache.fingerprint != want:
                 raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
-                                 "this model's config)")
+                                 f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
             cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
-            if cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
+            if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
                 raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
-        past = cache.seen_tokens if cache is not None else 0
+            if static and not torch.compiler.is_compiling() and cache.seen_tokens + T > cache.max_cache_len:
+                raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
+                                 f"tokens and cannot take {T} more")
+        # static mode never reads the Python length here (a compiled decode step must not specialise on it): its
+        # positions come from the device counter cache._pos, and its zero-initialised buffers act as "no state"
+        past = 0 if cache is None or static else cache.seen_tokens
 
         # -- masks ----------------------------------------------------------------------------------------------
         if attention_mask is not None and attention_mask.dim() != 2:
@@ -830,8 +863,13 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(inputs_embeds.device)
             segs = torch.repeat_interleave(torch.arange(lengths.numel(), device=inputs_embeds.device),
                                            lengths).unsqueeze(0)
-        elif attention_mask is None and past == 0:
+        elif attention_mask is None and past == 0 and not static:
             segs = _segment_ids_from_positions(position_ids)
+        if segs is not None and cache is not None:
+            if past_key_values is not None:
+                raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written to a "
+                                 "cache: run them with use_cache=False, or one document per row with a cache")
+            cache = None  # the cache created for use_cache would hold no consistent state of several documents
         kda_cu = None
         if segs is not None:
             flat = segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)
@@ -842,16 +880,16 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             kda_cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
             token_mask = None
         full_mask = token_mask if token_mask is not None else None
-        if token_mask is not None and bool(token_mask.all()):
-            token_mask = None
+        if token_mask is not None and not static and bool(token_mask.all()):
+            token_mask = None  # (static mode keeps the mask: pure tensor ops, no data-dependent branch)
         if cache is not None:
             keys_valid = cache.update_key_mask(full_mask if full_mask is not None else
                                                torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device))
         else:
             keys_valid = full_mask
         mla_mask = None
-        need_mask = (segs is not None or past > 0 or (keys_valid is not None and not bool(keys_valid.all()))
-                     or (cache is not None and cache.static))
+        need_mask = (static or segs is not None or past > 0
+                     or (keys_valid is not None and not bool(keys_valid.all())))
         if FULL in self.config.layer_types and need_mask:
             if (T > 1 and past > 0 and segs is None and token_mask is None and not cache.static
                     and bool(keys_valid.all())):
@@ -876,6 +914,18 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             h = attn_res_mix(h, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
                              self.config.rms_norm_eps)
         h = self.norm(h)
+        if token_mask is not None:
+            # a pad's output repeats the output of its row's last real token before it (in this call, else the one
+            # the dynamic cache kept), so the last position of a right-padded row predicts that row's next token
+            # (generate reads logits[:, -1]), also when the last piece of a chunked prefill is all padding
+            pos = torch.arange(T, device=h.device).expand(B, T)
+            last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
+            src = torch.where(last >= 0, last, pos)
+            h = h.gather(1, src.unsqueeze(-1).expand_as(h))
+            if cache is not None and not static and cache.last_hidden is not None:
+                h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
+        if cache is not None and not static:
+            cache.last_hidden = h[:, -1].detach().clone()
         if all_hidden is not None:
             all_hidden.append(h)
         if cache is not None:
@@ -977,6 +1027,55 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             inputs["attention_mask"] = attention_mask
         return inputs
 
+    # -- prefix reuse ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill_prefix(self, prefix_ids: torch.LongTensor,
+                       attention_mask: Optional[torch.Tensor] = None) -> KimiHybridCache:
+        """Run a prefix shared by many prompts (a system prompt, an agent's tool list, a document) once.
+
+        ``prefix_ids [1, P]`` (or ``[B, P]``). Returns its :class:`KimiHybridCache`; keep it as the snapshot and give
+        each continuation ``prefix_cache.fork()`` (or use :meth:`generate_from_prefix`), so the prefix is never
+        recomputed. Only the last position's logits are computed."""
+        cache = KimiHybridCache(self.config)
+        self(input_ids=prefix_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+             logits_to_keep=1)
+        return cache
+
+    @torch.no_grad()
+    def generate_from_prefix(self, prefix_cache: KimiHybridCache, prefix_ids: torch.LongTensor,
+                             suffixes: List[torch.LongTensor], **generate_kwargs):
+        """Generate for many prompts ``prefix + suffix_i`` in one batch, reusing ``prefix_cache`` (from
+        :meth:`prefill_prefix` over ``prefix_ids [1, P]``) instead of recomputing the prefix.
+
+        Rows are ``prefix | pads | suffix_i`` (interior padding, so every prompt ends in the last column; pads
+        change nothing, see :meth:`KimiHybridModel.forward`) with the prefix cache forked to ``len(suffixes)`` rows;
+        ``prefix_cache`` itself is left untouched. ``suffixes``: 1-D id tensors (at least one token each).
+        Returns what ``generate`` returns (``sequences [n, P + max_suffix + new]``)."""
+        if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1:
+            raise ValueError(f"prefix_ids must be [1, P], got {tuple(prefix_ids.shape)}")
+        P = prefix_ids.shape[1]
+        if prefix_cache.get_seq_length() != P or prefix_cache.batch_size != 1:
+            raise ValueError(f"prefix_cache holds {prefix_cache.get_seq_length()} tokens of batch "
+                             f"{prefix_cache.batch_size}; expected the cache of prefix_ids ({P} tokens, batch 1)")
+        if not suffixes or any(s.dim() != 1 or s.numel() == 0 for s in suffixes):
+            raise ValueError("suffixes must be a non-empty list of non-empty 1-D id tensors")
+        n, S = len(suffixes), max(int(s.numel()) for s in suffixes)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        ids = torch.full((n, P + S), pad, dtype=prefix_ids.dtype, device=prefix_ids.device)
+        mask = torch.zeros(n, P + S, dtype=torch.long, device=prefix_ids.device)
+        ids[:, :P] = prefix_ids
+        mask[:, :P] = 1
+        for i, s in enumerate(suffixes):
+            ids[i, P + S - s.numel():] = s.to(ids.device)
+            mask[i, P + S - s.numel():] = 1
+        generate_kwargs.setdefault("pad_token_id", pad)
+        return self.generate(ids, attention_mask=mask, past_key_values=prefix_cache.fork(n), **generate_kwargs)
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """Called by ``prepare_inputs_for_generation`` for a compileable (static) cache: keep the 2-D padding mask,
+        our model builds its KDA / MLA masks from it (and from the cache's ``key_mask``) itself."""
+        return attention_mask
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Build a :class:`KimiHybridCache` (static when ``cache_implementation="static"``) instead of transformers'
         DynamicCache / StaticCache."""
@@ -1006,3 +1105,6 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         else:
             raise ValueError(f"cache_implementation={impl!r} is not supported by KimiHybrid; use None/'dynamic' or "
                              "'static'")
+        if getattr(generation_config, "is_assistant", False):
+            # a draft model's cache is rolled back over several of its forwards (see KimiHybridCache.crop)
+            model_kwargs["past_key_values"].activate_past_recording()

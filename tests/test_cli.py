@@ -86,7 +86,7 @@ def test_memory_table_matches_memory_report(tokenizer):
     assert rows["tokens"] == ids.shape[1] and rows["batch"] == 1
     assert rows["KDA conv + fp32 state"] == rep["kda_bytes"] > 0
     assert rows["MLA latent"] == rep["mla_bytes"] == ids.shape[1] * rep["mla_bytes_per_token"]
-    assert rows["total"] == rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"]
+    assert rows["total"] == rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"] + rep["hidden_bytes"]
 
 
 def test_parser_options():

@@ -212,7 +212,7 @@ def test_memory_report_matches_formula_and_tensors():
         assert rep["mla_bytes"] == n_mla * T * B * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
         H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_size
         assert rep["kda_bytes"] == n_kda * B * (H * K * K * 4 + 3 * H * K * (W - 1) * 4)
-        assert rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"]
+        assert rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"] + rep["hidden_bytes"]
         reports.append(rep)
     assert reports[0]["kda_bytes"] == reports[1]["kda_bytes"]  # fixed size, whatever T
     assert reports[1]["mla_bytes"] - reports[0]["mla_bytes"] == 12 * reports[0]["mla_bytes_per_token"]
