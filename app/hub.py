@@ -175,8 +175,9 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
     tcfg["auto_map"] = dict(TOKENIZER_AUTO_MAP)
     tcfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     if card is None:
-        src = Path(str(getattr(base, "name_or_path", "") or "")) / "README.md"
-        card = src.read_text(encoding="utf-8") if src.is_file() else model_card(base, repo_id)
+        name = str(getattr(base, "name_or_path", "") or "")
+        src = Path(name) / "README.md" if name and Path(name).is_dir() else None
+        card = src.read_text(encoding="utf-8") if src is not None and src.is_file() else model_card(base, repo_id)
     (out / "README.md").write_text(card, encoding="utf-8")
     missing = missing_files(out)
     if missing:
