@@ -152,6 +152,8 @@ def format_memory_report(report: Dict[str, Any]) -> str:
         ("MLA latent", str(n_mla), report["mla_bytes"], f"{report['mla_bytes_per_token']} B/token"),
         ("key-padding mask", "-", report["mask_bytes"], "1 B/token"),
     ]
+    if report.get("hidden_bytes"):
+        rows.append(("last hidden state", "-", report["hidden_bytes"], "1 per row"))
     if report.get("rollback_bytes"):
         rows.append(("rollback records", "-", report["rollback_bytes"], "assisted decoding"))
     rows.append(("total", str(n_kda + n_mla), report["total_bytes"], ""))

@@ -64,7 +64,7 @@ def parse_table(text: str) -> dict:
     m = re.search(r"cache memory \(KimiHybridCache\.memory_report\): (\d+) tokens, batch (\d+)", text)
     assert m, text
     rows = {"tokens": int(m.group(1)), "batch": int(m.group(2))}
-    for name in ("KDA conv + fp32 state", "MLA latent", "key-padding mask", "total"):
+    for name in ("KDA conv + fp32 state", "MLA latent", "key-padding mask", "last hidden state", "total"):
         r = re.search(re.escape(name) + r"\s+\S+\s+([\d,]+)", text)
         assert r, f"row {name!r} missing from:\n{text}"
         rows[name] = int(r.group(1).replace(",", ""))
@@ -86,6 +86,7 @@ def test_memory_table_matches_memory_report(tokenizer):
     assert rows["tokens"] == ids.shape[1] and rows["batch"] == 1
     assert rows["KDA conv + fp32 state"] == rep["kda_bytes"] > 0
     assert rows["MLA latent"] == rep["mla_bytes"] == ids.shape[1] * rep["mla_bytes_per_token"]
+    assert rows["last hidden state"] == rep["hidden_bytes"] > 0
     assert rows["total"] == rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"] + rep["hidden_bytes"]
 
 

@@ -1,0 +1,1 @@
+../../modeling_kimi_hybrid/cache_kimi_hybrid.py

@@ -1,0 +1,1 @@
+../../modeling_kimi_hybrid/configuration_kimi_hybrid.py

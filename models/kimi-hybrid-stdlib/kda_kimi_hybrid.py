@@ -1,0 +1,1 @@
+../../modeling_kimi_hybrid/kda_kimi_hybrid.py

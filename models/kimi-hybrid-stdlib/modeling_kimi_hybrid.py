@@ -1,0 +1,1 @@
+../../modeling_kimi_hybrid/modeling_kimi_hybrid.py
