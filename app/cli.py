@@ -65,7 +65,16 @@ def resolve_model(model: Optional[str]) -> str:
     """``--model`` value -> a folder path or a Hub repo id. Raises SystemExit with a hint if the embedded model's
     weights are missing."""
     if model:
-        return str(Path(model).expanduser()) if Path(model).expanduser().exists() else model
+        local = Path(model).expanduser()
+        if local.exists():
+            if not (local / "config.json").is_file():
+                raise SystemExit(f"kimi-hybrid: {local} has no config.json; pass a model folder (or a Hub repo id)")
+            return str(local)
+        looks_local = model.startswith(("/", ".", "~")) or model.count("/") != 1 or model.endswith("/")
+        if looks_local:
+            raise SystemExit(f"kimi-hybrid: no such model folder: {model} (and it is not a Hub repo id of the form "
+                             "owner/name)")
+        return model
     path = default_model_path()
     if not (path / "config.json").is_file():
         raise SystemExit(
