@@ -111,7 +111,12 @@ def test_default_model_resolution(monkeypatch, tmp_path):
     monkeypatch.setenv(cli.ENV_DEFAULT_MODEL, str(tmp_path))
     with pytest.raises(SystemExit, match="embedded model was not found"):
         cli.resolve_model(None)
+    with pytest.raises(SystemExit, match="has no config.json"):
+        cli.resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
     assert cli.resolve_model(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(SystemExit, match="no such model folder: /nonexistent"):
+        cli.resolve_model("/nonexistent")
     assert cli.resolve_model("org/some-repo") == "org/some-repo"  # not a local path: a Hub repo id
     assert str(cli.pick_dtype("auto", "cpu")) == "torch.float32"
     assert str(cli.pick_dtype("auto", "cuda")) == "torch.bfloat16"
