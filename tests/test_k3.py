@@ -879,9 +879,6 @@ def test_packed_documents_equal_each_alone(preset):
     assert_close(by_cu, alone, 2e-5, "cu_seqlens packing")
 
 
-@pytest.mark.xfail(reason="core, not K3: with cache_implementation='static' transformers 5.23 hands the model a dict "
-                          "attention_mask (fails the same on tiny-kda-first); owned by the decoding branch",
-                   raises=AttributeError, strict=False)
 def test_static_cache_generate_equals_dynamic():
     model = tiny_model("tiny-k3")
     ids = ids_for(model.config, 2, 5, seed=6)
@@ -892,9 +889,6 @@ def test_static_cache_generate_equals_dynamic():
     assert torch.equal(dyn, sta)
 
 
-@pytest.mark.xfail(reason="core, not K3: transformers 5.23 prompt-lookup crops the cache to 0 tokens, outside the "
-                          "KDA recorded window (fails the same on tiny-kda-first); owned by the decoding branch",
-                   raises=ValueError, strict=False)
 def test_prompt_lookup_generate_equals_greedy():
     model = tiny_model("tiny-k3")
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
