@@ -27,7 +27,9 @@ def native_state_dict_to_ours(sd: Dict[str, torch.Tensor], config=None) -> Dict[
 
     Args:
         sd: native state dict (tensors on any device / dtype; values are not changed).
-        config: unused, accepted for symmetry with the file converters.
+        config: the native ``KimiLinearConfig`` (or its dict): use the strict converter. Without it the tensors are
+            mapped as views of the native ones (no copy, no dtype change), which the benchmarks use to run both
+            models on one set of weights without doubling GPU memory.
 
     Returns:
         A new dict with our keys. Raises ValueError naming any key it does not understand or a fused conv whose

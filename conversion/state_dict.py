@@ -59,10 +59,14 @@ def native_state_dict_to_ours(sd: dict[str, torch.Tensor], config) -> dict[str, 
 
 
 def released_state_dict_to_ours(sd, config):
+    """Released Kimi-Linear state dict (``block_sparse_moe.experts.{e}.w1/w2/w3``, ``A_log [1,1,H,1]``) -> ours.
+    ``config``: the released config dict. Raises CheckpointError listing unknown / missing keys or bad shapes."""
     return convert_state_dict(sd, config, "released")
 
 
 def k3_state_dict_to_ours(sd, config, dequant_dtype: str = "BF16"):
+    """K3 text state dict (``language_model.`` prefix, MXFP4 experts dequantised to ``dequant_dtype``) -> ours.
+    Raises CheckpointError on unknown / missing keys, bad shapes, non-zero ``A_log`` padding."""
     return convert_state_dict(sd, config, "k3", dequant_dtype=dequant_dtype)
 
 

@@ -275,35 +275,43 @@ class KimiHybridConfig(PretrainedConfig):
     # -- derived views -------------------------------------------------------------------------------------------
     @property
     def linear_head_dim(self) -> int:
+        """KDA head dim K (= V), ``linear_attn_config['head_dim']``."""
         return int(self.linear_attn_config["head_dim"])
 
     @property
     def linear_num_heads(self) -> int:
+        """KDA heads H, ``linear_attn_config['num_heads']``."""
         return int(self.linear_attn_config["num_heads"])
 
     @property
     def linear_conv_kernel_size(self) -> int:
+        """Short-conv width W, ``linear_attn_config['short_conv_kernel_size']``."""
         return int(self.linear_attn_config["short_conv_kernel_size"])
 
     @property
     def gate_lower_bound(self) -> Optional[float]:
+        """K3 lower bound of the KDA decay gate (e.g. -5.0), or None for the Kimi-Linear softplus gate."""
         lb = self.linear_attn_config.get("gate_lower_bound")
         return None if lb is None else float(lb)
 
     @property
     def use_full_rank_gate(self) -> bool:
+        """K3: full-rank ``g_proj`` output gates instead of Kimi-Linear's low-rank ``g_a/g_b``."""
         return bool(self.linear_attn_config.get("use_full_rank_gate", False))
 
     @property
     def qk_head_dim(self) -> int:
+        """MLA query/key head dim: ``qk_nope_head_dim + qk_rope_head_dim`` (192 for Kimi-Linear)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def num_mla_layers(self) -> int:
+        """Number of MLA (full_attention) layers."""
         return sum(t == FULL for t in self.layer_types)
 
     @property
     def num_kda_layers(self) -> int:
+        """Number of KDA (linear_attention) layers."""
         return sum(t == LINEAR for t in self.layer_types)
 
     def _layer_types_from_lists(self, lac: dict) -> List[str]:

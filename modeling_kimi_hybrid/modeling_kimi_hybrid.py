@@ -879,7 +879,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             starts = change.nonzero().flatten()
             kda_cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
             token_mask = None
-        full_mask = token_mask if token_mask is not None else None
+        full_mask = token_mask
         if token_mask is not None and not static and bool(token_mask.all()):
             token_mask = None  # (static mode keeps the mask: pure tensor ops, no data-dependent branch)
         if cache is not None:

@@ -25,22 +25,13 @@ import torch
 
 from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 
+from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
+
 ATOL = 1e-5
 ORDERS = ["tiny-kda-first", "tiny-mla-first"]
 ALL = ORDERS + ["tiny-k3"]
-PAD = 0
 
 _MODELS = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads competing
-    with another process run 10-100x slower; one thread keeps the suite's time predictable."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def get_model(preset: str, seed: int = 0, **overrides) -> KimiHybridForCausalLM:
@@ -50,23 +41,6 @@ def get_model(preset: str, seed: int = 0, **overrides) -> KimiHybridForCausalLM:
         cfg = KimiHybridConfig.from_preset(preset, **overrides)
         _MODELS[key] = KimiHybridForCausalLM(cfg).eval()
     return _MODELS[key]
-
-
-def rand_ids(*shape, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, shape, generator=g)
-
-
-@torch.no_grad()
-def logits_nocache(model, ids, mask=None):
-    return model(ids, attention_mask=mask, use_cache=False).logits
-
-
-def gen(model, ids, **kw):
-    kw.setdefault("do_sample", False)
-    kw.setdefault("pad_token_id", PAD)
-    with torch.no_grad():
-        return model.generate(ids, **kw)
 
 
 def left_pad(rows):

@@ -17,24 +17,15 @@ import pytest
 import torch
 
 from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+
+from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
 from modeling_kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
 ORDERS = ["tiny-kda-first", "tiny-mla-first"]
 ALL = ORDERS + ["tiny-k3"]
-PAD = 0
 _MODELS = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two OpenMP threads competing
-    with another process run 10-100x slower; one thread keeps the suite's time predictable."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def get_model(preset: str, seed: int = 0) -> KimiHybridForCausalLM:
@@ -42,23 +33,6 @@ def get_model(preset: str, seed: int = 0) -> KimiHybridForCausalLM:
         torch.manual_seed(seed)
         _MODELS[(preset, seed)] = KimiHybridForCausalLM(KimiHybridConfig.from_preset(preset)).eval()
     return _MODELS[(preset, seed)]
-
-
-def rand_ids(*shape, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 128, shape, generator=g)
-
-
-@torch.no_grad()
-def logits_nocache(model, ids, mask=None):
-    return model(ids, attention_mask=mask, use_cache=False).logits
-
-
-def gen(model, ids, **kw):
-    kw.setdefault("do_sample", False)
-    kw.setdefault("pad_token_id", PAD)
-    with torch.no_grad():
-        return model.generate(ids, **kw)
 
 
 def _tensors(cache):
