@@ -180,13 +180,19 @@ def floor_bytes(model, cfg, B, ctx, n_layers_full=None):
 
 # ------------------------------------------------------------------------------------------------------ ours
 @torch.no_grad()
-def ours_prefill(model, cfg, ids, chunk=None):
+def ours_prefill(model, cfg, ids, chunk=None, times=None):
+    """Prefill through a dynamic cache, in pieces of ``chunk`` tokens; ``times`` (a list) receives each piece's
+    seconds."""
     cache = KimiHybridCache(cfg)
     T = ids.shape[1]
     step = chunk or T
     out = None
     for s in range(0, T, step):
+        t0 = time.perf_counter()
         out = model(ids[:, s:s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if times is not None:
+            sync()
+            times.append(round(time.perf_counter() - t0, 3))
     return cache, out.logits[:, -1]
 
 
@@ -323,6 +329,10 @@ def main():
     ap.add_argument("--long-budget-s", type=float, default=150.0)
     ap.add_argument("--skip-native", action="store_true", help="build ours alone (its own random init)")
     ap.add_argument("--sections", default="prefill,decode,long")
+    ap.add_argument("--compile-decode", action="store_true",
+                    help="also time the torch.compile-d step captured in a CUDA graph (GraphDecoder(compile=True))")
+    ap.add_argument("--long-warmup", action="store_true",
+                    help="before each long run, prefill two chunks untimed (first calls at the chunk shapes)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_h200.json"))
     args = ap.parse_args()
     R = {"versions": versions(), "args": vars(args), "setup": {}, "ours": {}, "native": {}, "errors": []}
@@ -399,7 +409,7 @@ def main():
         ids = rand(B, T)
         dyn, last = ours_prefill(ours, cfg, ids)
         dyn_rep = cache_check(dyn, cfg)
-        st = to_static_cache(dyn, T + 128)
+        st = to_static_cache(dyn, T + 256)
         del dyn
         torch.cuda.empty_cache()
         first = last.argmax(-1, keepdim=True)
@@ -427,10 +437,31 @@ def main():
         st.restore(snap)
         st.seen_tokens = seen
         del snap
+        snap = st.snapshot()
         pipelined, synced = graph_decode_time(dec, first)
+        del dec
+        comp = {}
+        if args.compile_decode:  # the same step through torch.compile, then captured; from the same state
+            st.restore(snap)
+            st.seen_tokens = seen
+            t_comp, cdec = timed(lambda: GraphDecoder(ours, st, compile=True))
+            st.restore(snap)
+            st.seen_tokens = seen
+            got_c = cdec.step(first).float()
+            st.restore(snap)
+            st.seen_tokens = seen
+            c_pipe, c_sync = graph_decode_time(cdec, first)
+            comp = {"compiled_graph_ms_per_step": round(c_pipe * 1e3, 4),
+                    "compiled_graph_ms_per_step_synced": round(c_sync * 1e3, 4),
+                    "compiled_tokens_per_s": round(B / c_pipe, 1), "compile_and_capture_s": round(t_comp, 1),
+                    "compiled_vs_eager_rel_err": ((got_c - ref).norm() / ref.norm()).item()}
+            del cdec
+        st.restore(snap)
+        st.seen_tokens = seen
+        del snap
         per_layer = per_layer_decode(ours, st, B) if B == 1 else None
         torch.cuda.reset_peak_memory_stats()
-        return {"B": B, "context": T, "graph_ms_per_step": round(pipelined * 1e3, 4),
+        return {"B": B, "context": T, **comp, "graph_ms_per_step": round(pipelined * 1e3, 4),
                 "graph_ms_per_step_synced": round(synced * 1e3, 4),
                 "tokens_per_s": round(B / pipelined, 1),
                 "eager_ms_per_step_median": round(1e3 * sorted(eager[1:])[len(eager[1:]) // 2], 2),
@@ -474,15 +505,24 @@ def main():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             ids = rand(1, L)
-            dt, (dyn, last) = timed(lambda: ours_prefill(ours, cfg, ids, chunk=args.long_chunk))
+            warm_s = None
+            if args.long_warmup:
+                warm_s, (w, _) = timed(lambda: ours_prefill(ours, cfg, ids[:, :2 * args.long_chunk],
+                                                            chunk=args.long_chunk))
+                del w
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            chunk_s = []
+            dt, (dyn, last) = timed(lambda: ours_prefill(ours, cfg, ids, chunk=args.long_chunk, times=chunk_s))
             peak_prefill = torch.cuda.max_memory_allocated()
             rep_dyn = cache_check(dyn, cfg)
             st = to_static_cache(dyn, L + 128)
             del dyn
             torch.cuda.empty_cache()
-            dec = GraphDecoder(ours, st)
+            dec = GraphDecoder(ours, st, compile=args.compile_decode)
             pipelined, synced = graph_decode_time(dec, last.argmax(-1, keepdim=True), steps=32)
             return {"tokens": L, "chunk": args.long_chunk, "prefill_s": round(dt, 2), "prefill_tok_s": round(L / dt),
+                    "chunk_s": chunk_s, "warmup_two_chunks_s": warm_s, "decode_compiled": args.compile_decode,
                     "peak_prefill_GiB": gib(peak_prefill), "peak_GiB": gib(torch.cuda.max_memory_allocated()),
                     "decode_ms_per_step": round(pipelined * 1e3, 4), "decode_ms_synced": round(synced * 1e3, 4),
                     "cache_after_prefill": rep_dyn, "cache_static": cache_check(st, cfg)}
@@ -513,6 +553,14 @@ def print_table(R):
             fl = f.get(key, {}).get("ms")
             print(f"| decode {key} ms/step | {ms} (floor {fl:.3f}, {ms / fl:.2f}x floor) | {nms or '-'} | "
                   f"{(nms / ms if nms else float('nan')):.1f}x |")
+            cms = r.get("compiled_graph_ms_per_step")
+            if cms:
+                print(f"| decode {key} ms/step, compiled | {cms} ({cms / fl:.2f}x floor) | {nms or '-'} | "
+                      f"{(nms / cms if nms else float('nan')):.1f}x |")
+    for L, r in (o.get("long") or {}).items():
+        if r and "prefill_s" in r:
+            print(f"| long {L}: prefill s / peak GiB / decode ms | {r['prefill_s']} / {r['peak_GiB']} / "
+                  f"{r['decode_ms_per_step']} | - | - |")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ fixed address, positions in a device counter), no host synchronisation inside th
 capture (warm-up steps run first, then the cache is restored in place).
 
     cache = prefill_to_static(model, prompt_ids, max_cache_len)     # or any filled static cache
-    dec = GraphDecoder(model, cache)                                 # warm-up + capture
+    dec = GraphDecoder(model, cache)                                 # warm-up + capture (compile=True: fused)
     logits = dec.step(next_ids)                                      # [B, V]; the static output buffer
 
 ``GraphDecoder.step`` keeps ``cache.seen_tokens`` (the host counter) in step with the device counter.
@@ -84,10 +84,18 @@ class GraphDecoder:
     Args:
         model: a :class:`KimiHybridForCausalLM` on CUDA in eval mode.
         cache: a filled static :class:`KimiHybridCache` on the same device.
-        warmup: eager steps run before capture (Triton autotuning, cuBLAS handles); the cache is restored after.
+        warmup: steps run before capture (Triton autotuning, cuBLAS handles, compilation); the cache is restored
+            after.
+        compile: run the step through ``torch.compile`` (inductor, default mode) before capturing it. Inductor fuses
+            the elementwise work between the GEMMs (norms, conv update, gates, the KDA recurrence itself, which is
+            traced from the torch reference under compile) into a few Triton kernels, so the captured graph holds
+            far fewer, larger kernels. Costs a compilation on the first warm-up step (tens of seconds).
+
+    Raises:
+        ValueError: the cache is not static, is empty, or is full.
     """
 
-    def __init__(self, model, cache, warmup: int = 2):
+    def __init__(self, model, cache, warmup: int = 2, compile: bool = False):
         if not cache.static:
             raise ValueError("GraphDecoder needs a static KimiHybridCache (max_cache_len=...)")
         if cache.seen_tokens == 0:
@@ -98,18 +106,24 @@ class GraphDecoder:
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         snap = cache.snapshot()
         seen = cache.seen_tokens
+
+        def one_step(ids):
+            return model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+
+        self.compiled = bool(compile)
+        fn = torch.compile(one_step, dynamic=False) if compile else one_step
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s), torch.no_grad():
-            for _ in range(warmup):
-                model(self.ids, past_key_values=cache, use_cache=True)
+            for _ in range(max(warmup, 2 if compile else 1)):
+                fn(self.ids)
         torch.cuda.current_stream(dev).wait_stream(s)
         cache.restore(snap)  # in place: same buffers, the state before the warm-up
         del snap
         cache.seen_tokens = seen
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = model(self.ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            self.logits = fn(self.ids)
         cache.seen_tokens = seen  # capture ran no kernel: the device state is unchanged
         if cache.seen_tokens + 1 > cache.max_cache_len:
             raise ValueError("the static cache is full")

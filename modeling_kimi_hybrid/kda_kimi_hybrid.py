@@ -353,6 +353,12 @@ def _use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and fla_available()
 
 
+def _compiling() -> bool:
+    """True while torch.compile (dynamo) traces the caller."""
+    comp = getattr(torch, "compiler", None)
+    return bool(comp is not None and hasattr(comp, "is_compiling") and comp.is_compiling())
+
+
 def _contig(*ts):
     return tuple(None if t is None else t.contiguous() for t in ts)
 
@@ -392,7 +398,9 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     The FLA call allocates its output and final state and never synchronises with the host, so a decode step that
     uses it can be captured in a CUDA graph (after a warm-up call has run Triton's autotuning)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    if _use_fla(q) and not needs_grad:
+    # under torch.compile (the compiled CUDA-graph decode step) the reference is traced instead: a few elementwise
+    # ops and two reductions over the [B, H, K, V] state that inductor fuses with the gate / norm around them
+    if _use_fla(q) and not needs_grad and not _compiling():
         from fla.ops.kda import fused_recurrent_kda
 
         q, k, v, beta = _contig(q, k, v, beta)

@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover
 from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
 from .cache_kimi_hybrid import _diff as _fingerprint_diff
 from .configuration_kimi_hybrid import KimiHybridConfig
-from .kda_kimi_hybrid import kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv, short_conv_update
+from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
+from .kda_kimi_hybrid import short_conv_update
 
 __all__ = [
     "KimiHybridPreTrainedModel",
@@ -213,7 +214,8 @@ def _grouped_mm_ok(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) 
     D, F_ = down.shape[1], down.shape[2]
     if D % 8 or F_ % 8:
         return False
-    if any(t.data_ptr() % 16 for t in (xs, gate_up, down)):
+    # (data_ptr is opaque to torch.compile; traced tensors come from the caching allocator, 512-byte aligned)
+    if not _compiling() and any(t.data_ptr() % 16 for t in (xs, gate_up, down)):
         return False
     if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
         return False
@@ -640,6 +642,8 @@ def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32:
         return torch.bmm(a, b)
     key = (a.device.type, a.dtype)
+    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
+        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
     if _OUT_DTYPE_OK.get(key, True):
         try:
             out = torch.bmm(a, b, out_dtype=torch.float32)

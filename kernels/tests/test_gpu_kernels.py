@@ -217,10 +217,15 @@ def test_prefill_decode_equals_full_cuda(preset, dtype, tol):
 
 
 @needs_fla
+@pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_cuda_graph_decode_equals_eager(dtype, tol):
+def test_cuda_graph_decode_equals_eager(dtype, tol, compile):
+    """Graph replay (optionally of the torch.compile-d step, whose KDA recurrence is the traced reference) == eager
+    steps (FLA kernels) from the same prefilled cache, and == the full forward; the MoE layers route through the
+    grouped GEMM in bf16 and the capture-safe batched fallback in fp32."""
     from kernels.cuda_graph import GraphDecoder, prefill_to_static
 
+    torch._dynamo.reset()
     cfg, m = _tiny("tiny-kda-first")
     m = m.to("cuda", dtype)
     ids = torch.randint(3, cfg.vocab_size, (2, 50), device="cuda")
@@ -230,7 +235,7 @@ def test_cuda_graph_decode_equals_eager(dtype, tol):
         for t in range(40, 50):
             eager.append(m(ids[:, t:t + 1], past_key_values=cache_e, use_cache=True).logits[:, -1])
         cache_g, last_g = prefill_to_static(m, ids[:, :40], 64)
-        dec = GraphDecoder(m, cache_g)
+        dec = GraphDecoder(m, cache_g, compile=compile)
         graph = [dec.step(ids[:, t:t + 1]).clone() for t in range(40, 50)]
         full = m(ids).logits[:, 40:]
     assert cache_g.seen_tokens == 50 and int(cache_g._pos) == 50
