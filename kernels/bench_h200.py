@@ -211,6 +211,7 @@ def cache_check(cache, cfg):
 
 @torch.no_grad()
 def graph_decode_time(dec, first, steps=48, warm=4):
+    dec.sync_position()  # the cache may have been restored since the decoder last stepped
     nxt = first
     for _ in range(warm):
         nxt = dec.step(nxt).argmax(-1, keepdim=True)

@@ -15,7 +15,9 @@ capture (warm-up steps run first, then the cache is restored in place).
     dec = GraphDecoder(model, cache)                                 # warm-up + capture (compile=True: fused)
     logits = dec.step(next_ids)                                      # [B, V]; the static output buffer
 
-``GraphDecoder.step`` keeps ``cache.seen_tokens`` (the host counter) in step with the device counter.
+The static cache's length lives in its device counter ``cache._pos`` (``cache.seen_tokens`` reads it, a host
+synchronisation); the replayed graph advances it on the device. ``GraphDecoder`` keeps its own host count of the
+positions used (``dec.position``), so ``step`` checks the room left without synchronising.
 """
 
 from __future__ import annotations
@@ -124,15 +126,23 @@ class GraphDecoder:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
             self.logits = fn(self.ids)
-        cache.seen_tokens = seen  # capture ran no kernel: the device state is unchanged
-        if cache.seen_tokens + 1 > cache.max_cache_len:
+        cache.seen_tokens = seen  # capture ran no kernel; the Python side of the forward is reset as well
+        self.position = seen
+        if seen + 1 > cache.max_cache_len:
             raise ValueError("the static cache is full")
 
+    def sync_position(self) -> int:
+        """Re-read the cache's device counter into ``position`` (after the cache was restored or written by other
+        code than this decoder). One host synchronisation. Returns the position."""
+        self.position = self.cache.seen_tokens
+        return self.position
+
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Feed ``input_ids [B, 1]``; returns the logits ``[B, V]`` (a buffer overwritten by the next step)."""
-        if self.cache.seen_tokens >= self.cache.max_cache_len:
+        """Feed ``input_ids [B, 1]``; returns the logits ``[B, V]`` (a buffer overwritten by the next step).
+        No host synchronisation. Raises ValueError when the static cache has no position left."""
+        if self.position >= self.cache.max_cache_len:
             raise ValueError(f"the static cache is full ({self.cache.max_cache_len} positions)")
         self.ids.copy_(input_ids)
         self.graph.replay()
-        self.cache.seen_tokens += 1
+        self.position += 1
         return self.logits

@@ -94,40 +94,47 @@ def probe_attention(T_list, chunk, prefix, reps):
 
 
 @torch.no_grad()
-def probe_decode(layers, ctx, compile_too):
+def probe_decode(layers, ctx, compile_too, R, save):
     from torch.profiler import ProfilerActivity, profile
+
+    from modeling_kimi_hybrid import kda_kimi_hybrid as kk
 
     _, model, cfg = build_ours_only(layers)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, ctx), device="cuda", generator=gen)
     dyn, last = ours_prefill(model, cfg, ids)
-    st = to_static_cache(dyn, ctx + 256)
+    st = to_static_cache(dyn, ctx + 512)
     del dyn
     first = last.argmax(-1, keepdim=True)
     snap = st.snapshot()
     seen = st.seen_tokens
-    for _ in range(3):
-        model(first, past_key_values=st, use_cache=True)
-    st.restore(snap)
-    st.seen_tokens = seen
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    res = R.setdefault("decode", {"layers": layers, "context": ctx})
+
+    def reset():
+        st.restore(snap)
+        st.seen_tokens = seen
+
+    def census(tag):
         for _ in range(3):
             model(first, past_key_values=st, use_cache=True)
+        reset()
         torch.cuda.synchronize()
-    st.restore(snap)
-    st.seen_tokens = seen
-    kernels = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.count:
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            kernels[e.key[:90]] = {"count_per_step": e.count / 3, "us_per_step": round(t / 3, 2)}
-    n_k = sum(v["count_per_step"] for v in kernels.values())
-    t_k = sum(v["us_per_step"] for v in kernels.values())
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_step"])[:40])
-    res = {"layers": layers, "context": ctx, "kernels_per_step": n_k, "kernel_us_per_step": round(t_k, 1),
-           "top_kernels": top}
-    print("eager step:", n_k, "kernels,", round(t_k, 1), "us of kernel time", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                model(first, past_key_values=st, use_cache=True)
+            torch.cuda.synchronize()
+        reset()
+        kernels = {}
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" and e.count:
+                t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                kernels[e.key[:90]] = {"count_per_step": e.count / 3, "us_per_step": round(t / 3, 2)}
+        n_k = sum(v["count_per_step"] for v in kernels.values())
+        t_k = sum(v["us_per_step"] for v in kernels.values())
+        res[tag] = {"kernels_per_step": n_k, "kernel_us_per_step": round(t_k, 1),
+                    "top_kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_step"])[:30])}
+        print(tag, n_k, "kernels,", round(t_k, 1), "us of kernel time", flush=True)
+        save()
 
     def replay_ms(dec, n=64):
         nxt = first
@@ -140,19 +147,30 @@ def probe_decode(layers, ctx, compile_too):
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n * 1e3
 
-    dec = GraphDecoder(model, st)
-    res["graph_ms"] = round(replay_ms(dec), 4)
-    del dec
-    st.restore(snap)
-    st.seen_tokens = seen
-    if compile_too:
+    def graph(tag, **kw):
         t = time.perf_counter()
-        dec = GraphDecoder(model, st, compile=True)
-        res["compile_capture_s"] = round(time.perf_counter() - t, 1)
-        res["compiled_graph_ms"] = round(replay_ms(dec), 4)
-        st.restore(snap)
-        st.seen_tokens = seen
-    print("decode:", {k: v for k, v in res.items() if k != "top_kernels"}, flush=True)
+        dec = GraphDecoder(model, st, **kw)
+        res[tag + "_build_s"] = round(time.perf_counter() - t, 1)
+        res[tag + "_ms"] = round(replay_ms(dec), 4)
+        del dec
+        reset()
+        print(tag, res[tag + "_ms"], "ms/step", flush=True)
+        save()
+
+    for tag, fn in [("census_triton_decode", lambda: census("census_triton_decode")),
+                    ("graph_triton_decode", lambda: graph("graph_triton_decode")),
+                    ("graph_fla_decode", lambda: (setattr(kk, "USE_TRITON_DECODE", False),
+                                                  graph("graph_fla_decode"))),
+                    ("census_fla_decode", lambda: census("census_fla_decode")),
+                    ("graph_compiled", lambda: (setattr(kk, "USE_TRITON_DECODE", True),
+                                                graph("graph_compiled", compile=True)) if compile_too else None)]:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            R["errors"].append({"where": tag, "error": repr(e)[:400], "trace": traceback.format_exc()[-1500:]})
+            print("ERROR", tag, traceback.format_exc()[-1500:], flush=True)
+            kk.USE_TRITON_DECODE = True
+            save()
     return res
 
 
@@ -182,7 +200,7 @@ def main():
         save()
     if "decode" in probes:
         try:
-            R["decode"] = probe_decode(a.layers, a.decode_context, not a.no_compile)
+            probe_decode(a.layers, a.decode_context, not a.no_compile, R, save)
         except Exception as e:  # noqa: BLE001
             R["errors"].append({"where": "decode", "error": repr(e), "trace": traceback.format_exc()[-1500:]})
             print(traceback.format_exc(), flush=True)

@@ -759,6 +759,11 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
 
+def _graph_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
@@ -841,7 +846,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
             if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
                 raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
-            if static and not torch.compiler.is_compiling() and cache.seen_tokens + T > cache.max_cache_len:
+            # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
+            # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
+            if (static and not torch.compiler.is_compiling() and not _graph_capturing(inputs_embeds)
+                    and cache.seen_tokens + T > cache.max_cache_len):
                 raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
                                  f"tokens and cannot take {T} more")
         # static mode never reads the Python length here (a compiled decode step must not specialise on it): its

@@ -462,6 +462,16 @@ def test_adapter_and_merged_round_trip(tmp_path):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def _one_triton_config(request):
+    """GPU tests: one Triton config per FLA kernel (kernels/testing.py; correctness does not depend on it)."""
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
+        from kernels.testing import limit_triton_autotuning
+
+        limit_triton_autotuning()
+    yield
+
+
 @gpu
 @pytest.mark.gpu
 def test_gpu_bf16_training_and_merged_generation():

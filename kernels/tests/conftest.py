@@ -1,0 +1,13 @@
+"""GPU test session set-up: import from this checkout; Triton autotuning reduced to one config per kernel (see
+kernels/testing.py)."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kernels.testing import limit_triton_autotuning  # noqa: E402
+
+limit_triton_autotuning()
