@@ -230,7 +230,14 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on CPU)")
     ap.add_argument("--out", default=None, help="write the JSON here (also after each model)")
+    ap.add_argument("--one-config-autotune", action="store_true",
+                    help="Triton autotuning limited to one config per kernel (kernels/testing.py): a cold start in "
+                         "seconds instead of minutes; both models run the same untuned FLA kernels")
     args = ap.parse_args(argv)
+    if args.one_config_autotune:
+        from kernels.testing import limit_triton_autotuning
+
+        limit_triton_autotuning()
     start = time.perf_counter()
     deadline = start + args.budget_s
     device = torch.device(args.device)
@@ -242,7 +249,8 @@ def main(argv=None):
                         "seq_len": args.seq_len, "dtype": str(dtype).replace("torch.", ""), "lora_rank": args.rank,
                         "lora_alpha": 2 * args.rank, "experts_adapted": not args.no_experts,
                         "gradient_checkpointing": "non-reentrant, every decoder layer", "optimizer": "AdamW",
-                        "warmup_steps": args.warmup, "timed_steps": args.steps}}
+                        "warmup_steps": args.warmup, "timed_steps": args.steps,
+                        "triton_autotuning": "one config per kernel" if args.one_config_autotune else "full"}}
 
     def dump():
         if args.out:
