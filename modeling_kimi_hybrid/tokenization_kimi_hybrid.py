@@ -599,6 +599,9 @@ def register_tokenizer() -> bool:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     AutoTokenizer.register(KimiHybridConfig, slow_tokenizer_class=KimiHybridTokenizer, exist_ok=True)
+    # save_pretrained of a tokenizer loaded through the installed package then copies this file next to
+    # tokenizer_config.json (its auto_map points here), so the folder also loads with trust_remote_code elsewhere
+    KimiHybridTokenizer.register_for_auto_class("AutoTokenizer")
     return True
 
 

@@ -133,7 +133,19 @@ FRESH_SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_loads_with_trust_remote_code_in_fresh_environment(folder, model, tokenizer, tmp_path):
+@pytest.fixture(scope="module")
+def plain_saved(tmp_path_factory, model, tokenizer) -> Path:
+    """A folder written by plain ``save_pretrained`` of the package's classes (no hub helper): transformers copies
+    the code of the classes registered with ``register_for_auto_class`` (model, config and tokenizer)."""
+    d = tmp_path_factory.mktemp("plain") / "saved"
+    model.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("which", ["hub_folder", "plain_save_pretrained"])
+def test_loads_with_trust_remote_code_in_fresh_environment(which, folder, plain_saved, model, tokenizer, tmp_path):
+    folder = folder if which == "hub_folder" else plain_saved
     script = tmp_path / "fresh_load.py"
     script.write_text(FRESH_SCRIPT)
     work = tmp_path / "cwd"
@@ -207,10 +219,13 @@ def test_embedded_model_folder():
     else:
         assert "model.safetensors" in files
     assert sum(files.values()) < 30e6
-    assert (EMBEDDED / "tokenization_kimi_hybrid.py").read_bytes() == (BUNDLE / "tokenization_kimi_hybrid.py"
-                                                                      ).read_bytes(), (
-        "models/kimi-hybrid-stdlib/tokenization_kimi_hybrid.py is stale: copy modeling_kimi_hybrid/"
-        "tokenization_kimi_hybrid.py over it")
+    # the bundle code is stored as regular files (a symlink breaks when the folder is copied or uploaded elsewhere)
+    # and must equal this checkout's package
+    for src in sorted(BUNDLE.glob("*_kimi_hybrid.py")):
+        shipped = EMBEDDED / src.name
+        assert shipped.is_file() and not shipped.is_symlink(), f"{shipped} must be a regular file"
+        assert shipped.read_bytes() == src.read_bytes(), (
+            f"models/kimi-hybrid-stdlib/{src.name} is stale: copy modeling_kimi_hybrid/{src.name} over it")
     cfg = json.loads((EMBEDDED / "config.json").read_text())
     tok = KimiHybridTokenizer.from_pretrained(str(EMBEDDED))
     assert cfg["vocab_size"] == len(tok)

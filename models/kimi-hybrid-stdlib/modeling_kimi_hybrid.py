@@ -1,1 +1,1232 @@
-../../modeling_kimi_hybrid/modeling_kimi_hybrid.py
+# coding=utf-8
+"""KimiHybrid: Kimi-Linear-48B-A3B and the Kimi K3 text backbone for ``transformers``.
+
+A hybrid decoder: Kimi Delta Attention (KDA, a gated delta rule with per-channel decay and a fixed-size fp32 state)
+interleaved with NoPE Multi-head Latent Attention (MLA, DeepSeek-V2 style, caching only the 576-value latent per
+token), and DeepSeek-V3-style MoE MLPs (fp32 sigmoid router with a selection-only correction bias, grouped top-k,
+renormalised, scaled, shared experts; fused expert weights). Kimi K3 switches: lower-bounded KDA gate, full-rank
+output gates, low-rank MLA query with a sigmoid output gate, latent MoE, SiTU-GLU, and block attention residuals
+(AttnRes).
+
+Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-A3B-{Base,Instruct}); Kimi K3
+(arXiv 2607.24653, moonshotai/Kimi-K3); exact math in shared/docs/checkpoint-facts.md section 3 and k3-spec.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+try:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover
+    GradientCheckpointingLayer = nn.Module
+
+try:
+    from transformers.integrations.accelerate import force_accelerate_hooks
+except ImportError:  # pragma: no cover
+    def force_accelerate_hooks(names):  # noqa: D103 - no accelerate hooks to fire
+        return lambda fn: fn
+
+try:
+    from transformers import initialization as init
+except ImportError:  # pragma: no cover
+    init = nn.init
+
+from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
+from .cache_kimi_hybrid import _diff as _fingerprint_diff
+from .configuration_kimi_hybrid import KimiHybridConfig
+from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
+from .kda_kimi_hybrid import short_conv_update
+
+__all__ = [
+    "KimiHybridPreTrainedModel",
+    "KimiHybridModel",
+    "KimiHybridForCausalLM",
+    "KimiRMSNorm",
+    "KimiDeltaAttention",
+    "KimiMLAttention",
+    "KimiMoE",
+    "KimiMLP",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# norms and activations
+# ----------------------------------------------------------------------------------------------------------------
+
+class KimiRMSNorm(nn.Module):
+    """T5-style RMSNorm: variance in fp32, cast back to the input dtype, then times the weight. ``[..., D]``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class KimiGatedRMSNorm(nn.Module):
+    """KDA output norm: ``RMSNorm(o) * weight * sigmoid(gate)`` over the head dim, all in fp32, cast back.
+    ``o``, ``gate``: ``[..., H, K]``."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = gate.dtype
+        h = o.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = h * self.weight.float() * torch.sigmoid(gate.float())
+        return h.to(dtype)
+
+
+def glu_act(config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of every MLP: SiLU-GLU ``silu(g) * u`` (Kimi-Linear) or SiTU-GLU (K3, fp32):
+    ``beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin)`` (beta_lin None: plain u)."""
+    if config.hidden_act == "silu":
+        return F.silu(gate) * up
+    b = config.activation_situ_beta if config.activation_situ_beta is not None else 1.0
+    bl = config.activation_situ_linear_beta
+    g, u = gate.float(), up.float()
+    left = b * torch.tanh(g / b) * torch.sigmoid(g)
+    right = u if bl is None else bl * torch.tanh(u / bl)
+    return (left * right).to(gate.dtype)
+
+
+class KimiMLP(nn.Module):
+    """Dense gated MLP (layer 0, and the shared experts): ``down(act(gate(x), up(x)))``. ``[..., D] -> [..., D]``."""
+
+    def __init__(self, config: KimiHybridConfig, intermediate_size: Optional[int] = None):
+        super().__init__()
+        self.config = config
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_act(self.config, self.gate_proj(x), self.up_proj(x)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE
+# ----------------------------------------------------------------------------------------------------------------
+
+class KimiRouter(nn.Module):
+    """MoE router (DeepSeek-V3 / Kimi): fp32 logits, sigmoid (or softmax) scores, ``e_score_correction_bias`` added
+    for the choice only, grouped top-k, weights = unbiased scores of the chosen experts, renormalised, times
+    ``routed_scaling_factor``.
+
+    ``weight [E, D]``, ``e_score_correction_bias [E]`` (fp32 whatever the model dtype).
+    Returns ``(router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_idx [N, k] int64)``.
+    """
+
+    def __init__(self, config: KimiHybridConfig):
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_token
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor):
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if c.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
+        choice = scores + self.e_score_correction_bias.float()
+        G = c.num_expert_group if c.use_grouped_topk else 1
+        if G > 1:
+            grouped = choice.view(-1, G, self.num_experts // G)
+            top = min(2, grouped.shape[-1])
+            group_scores = grouped.topk(top, dim=-1).values.sum(-1)
+            keep = group_scores.topk(c.topk_group, dim=-1).indices
+            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~gmask.repeat_interleave(self.num_experts // G, dim=1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.top_k > 1 and c.moe_renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return logits, w * c.routed_scaling_factor, idx
+
+
+class KimiExperts(nn.Module):
+    """Routed experts stored fused: ``gate_up_proj [E, 2F, D_e]`` (rows [:F] = w1 gate, [F:] = w3 up) and
+    ``down_proj [E, D_e, F]`` (w2). Token-expert pairs are sorted by expert and each expert that received tokens
+    runs one GEMM on its contiguous slice (a grouped GEMM on CUDA when ``torch._grouped_mm`` is available); the
+    combine multiplies by the routing weight and sums in fp32, as the official code does.
+
+    Input ``x [N, D_e]``, ``topk_idx / topk_w [N, k]``; output ``[N, D_e]`` in x.dtype.
+    """
+
+    def __init__(self, config: KimiHybridConfig, in_dim: int):
+        super().__init__()
+        self.config = config
+        E, F_ = config.num_experts, config.moe_intermediate_size
+        self.num_experts, self.intermediate = E, F_
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, in_dim))
+        self.down_proj = nn.Parameter(torch.empty(E, in_dim, F_))
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        N, k = topk_idx.shape
+        gate_up = self.gate_up_proj  # read once: PEFT target_parameters returns the adapted tensor here
+        down = self.down_proj
+        if _moe_gemv_applies(self.config, x, gate_up, down, N * k):
+            return moe_decode_gemv(x, topk_idx, topk_w, gate_up, down)
+        flat = topk_idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token_of = order // k
+        xs = x[token_of]
+        # scatter_add, not bincount: bincount synchronises with the host on CUDA (it reads max()), which would
+        # break CUDA-graph capture of a decode step
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        ys = _grouped_expert_mlp(self.config, xs, gate_up, down, counts, self.intermediate)
+        ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
+        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, token_of, ys)
+        return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode-sized MoE on CUDA: expert GEMVs that read each chosen expert's weights in place (Triton)
+# ----------------------------------------------------------------------------------------------------------------
+
+MOE_GEMV_MAX_PAIRS = 32  # token-expert pairs; above this the grouped GEMM reads each hit expert once instead
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _moe_gate_up_glu_kernel(x_ptr, w_ptr, idx_ptr, h_ptr, D: tl.constexpr, F: tl.constexpr, K_TOP: tl.constexpr,
+                                BN: tl.constexpr, BD: tl.constexpr):
+        """Widths are compile-time constants (one model, one compile). Program (pair m, block of BN intermediate channels): ``h[m, n] = silu(W1[e] x) * (W3[e] x)`` with
+        ``e = idx[m]``, ``x = x[m // K_TOP]``; ``W [E, 2F, D]`` rows [:F] gate, [F:] up; fp32 accumulation."""
+        m = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask = rows < F
+        e = tl.load(idx_ptr + m).to(tl.int64)
+        tok = m // K_TOP
+        base = w_ptr + e * (2 * F) * D
+        acc_g = tl.zeros([BN], dtype=tl.float32)
+        acc_u = tl.zeros([BN], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            cmask = cols < D
+            xv = tl.load(x_ptr + tok * D + cols, mask=cmask, other=0.0).to(tl.float32)
+            m2 = rmask[:, None] & cmask[None, :]
+            wg = tl.load(base + rows[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(base + (rows[:, None] + F) * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * xv[None, :], axis=1)
+            acc_u += tl.sum(wu * xv[None, :], axis=1)
+        gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)  # the unfused path rounds both to x.dtype first
+        up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
+        h = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + m * F + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
+
+    @triton.jit
+    def _moe_down_kernel(h_ptr, w_ptr, idx_ptr, wt_ptr, y_ptr, D: tl.constexpr, F: tl.constexpr, BN: tl.constexpr,
+                         BF: tl.constexpr):
+        """Program (pair m, block of BN output channels): ``y[m, n] = wt[m] * (W2[e] h[m])[n]`` in fp32,
+        ``W2 [E, D, F]``."""
+        m = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        rmask = rows < D
+        e = tl.load(idx_ptr + m).to(tl.int64)
+        base = w_ptr + e * D * F
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for f0 in range(0, F, BF):
+            cols = f0 + tl.arange(0, BF)
+            cmask = cols < F
+            hv = tl.load(h_ptr + m * F + cols, mask=cmask, other=0.0).to(tl.float32)
+            w = tl.load(base + rows[:, None] * F + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * hv[None, :], axis=1)
+        acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the unfused path's GEMM output is in x.dtype
+        wt = tl.load(wt_ptr + m).to(tl.float32)
+        tl.store(y_ptr + m * D + rows, acc * wt, mask=rmask)
+
+    _MOE_TRITON = True
+except Exception:  # noqa: BLE001 - CPU-only torch: the grouped / looped paths serve every device
+    _MOE_TRITON = False
+
+_MOE_TRITON_ENABLED = os.environ.get("KIMI_HYBRID_DISABLE_MOE_GEMV", "0") != "1"
+
+
+def _moe_gemv_applies(config, x, gate_up, down, pairs) -> bool:
+    return (_MOE_TRITON and _MOE_TRITON_ENABLED and x.is_cuda and pairs <= MOE_GEMV_MAX_PAIRS
+            and config.hidden_act == "silu" and not (torch.is_grad_enabled() and
+                                                     (gate_up.requires_grad or down.requires_grad or x.requires_grad))
+            and gate_up.is_contiguous() and down.is_contiguous())
+
+
+def moe_decode_gemv(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
+    """Routed experts for a few tokens (decode) as expert GEMVs that read the chosen experts' weights in place: no
+    sort, no gather of weights, no host synchronisation (CUDA-graph safe). Two Triton launches (gate/up + SiLU-GLU,
+    then down times the routing weight), and a sum over the k choices in fp32 (the grouped path's combine).
+
+    Args:
+        x: ``[N, D]`` (bf16 / fp16 / fp32, CUDA). topk_idx: ``[N, k]`` int64 expert ids. topk_w: ``[N, k]`` routing
+            weights (fp32). gate_up: ``[E, 2F, D]`` (rows [:F] w1, [F:] w3), down: ``[E, D, F]``, contiguous.
+
+    Returns:
+        ``[N, D]`` in x.dtype. The gate / up / down products are rounded to x.dtype where the grouped path rounds
+        them (SiLU-GLU on the rounded values), so both paths agree to accumulation order.
+
+    Why: at batch 1 the grouped GEMM over 256 experts took ~32 us per launch on an H200 for 8 experts' weights
+    (75 MB gate/up: ~16 us at 4.8 TB/s) plus a sort, a gather and an index_add around it.
+    """
+    N, k = topk_idx.shape
+    E, F2, D = gate_up.shape
+    F_ = F2 // 2
+    M = N * k
+    idx = topk_idx.reshape(-1).contiguous()
+    wt = topk_w.reshape(-1).float().contiguous()
+    xc = x.contiguous()
+    h = torch.empty(M, F_, dtype=x.dtype, device=x.device)
+    _moe_gate_up_glu_kernel[(M, triton.cdiv(F_, block_n))](xc, gate_up, idx, h, D=D, F=F_, K_TOP=k, BN=block_n,
+                                                            BD=block_k, num_warps=4)
+    y = torch.empty(M, D, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(M, triton.cdiv(D, block_n))](h, down, idx, wt, y, D=D, F=F_, BN=block_n, BF=block_k,
+                                                    num_warps=4)
+    return y.view(N, k, D).sum(1).to(x.dtype)
+
+
+def _grouped_gemm_fn():
+    """``torch.nn.functional.grouped_mm`` (torch >= 2.10) or ``torch._grouped_mm`` (2.8 / 2.9), else None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_ok(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the CUDA grouped GEMM applies: bf16 operands (the dtype its CUTLASS kernels serve on every torch
+    of our window), every row stride a multiple of 16 bytes (D and F multiples of 8) and 16-byte aligned bases,
+    compute capability >= 8.0 (9.0 for torch < 2.9)."""
+    if not (xs.is_cuda and xs.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
+            and down.dtype == torch.bfloat16):
+        return False
+    D, F_ = down.shape[1], down.shape[2]
+    if D % 8 or F_ % 8:
+        return False
+    # (data_ptr is opaque to torch.compile; traced tensors come from the caching allocator, 512-byte aligned)
+    if not _compiling() and any(t.data_ptr() % 16 for t in (xs, gate_up, down)):
+        return False
+    if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
+        return False
+    major, minor = torch.cuda.get_device_capability(xs.device)
+    return (major, minor) >= (8, 0) if hasattr(F, "grouped_mm") or _torch_at_least(2, 9) else major == 9
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    v = torch.__version__.split("+")[0].split(".")
+    try:
+        return (int(v[0]), int(v[1])) >= (major, minor)
+    except ValueError:  # pragma: no cover
+        return True
+
+
+def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
+    """Routed experts on token-expert pairs sorted by expert.
+
+    Args:
+        xs: ``[M, D]`` inputs, rows sorted by expert (expert e owns ``counts[e]`` consecutive rows).
+        gate_up: ``[E, 2F, D]`` fused w1 | w3. down: ``[E, D, F]`` (w2). counts: ``[E]`` int64 on xs.device.
+        F_: expert intermediate width F.
+
+    Returns:
+        ``[M, D]`` in xs.dtype: ``down_e(act(gate_e(x), up_e(x)))`` for each row's expert.
+
+    On CUDA with bf16 weights this is two grouped GEMMs (``F.grouped_mm``/``torch._grouped_mm``, one CUTLASS launch
+    each over all experts; empty experts cost nothing and read no weights), with the group ends ``offs`` kept on the
+    device: no host synchronisation, so batch-1 decode neither loops over experts in Python nor blocks, and the step
+    can be CUDA-graph captured. Elsewhere (CPU, fp32, odd widths) a loop over the experts that received tokens only.
+    """
+    gm = _grouped_gemm_fn()
+    if gm is not None and xs.shape[0] > 0 and _grouped_mm_ok(xs, gate_up, down):
+        offs = counts.cumsum(0).to(torch.int32)
+        h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
+        h = glu_act(config, h[:, :F_], h[:, F_:])
+        return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
+    if xs.is_cuda and (_compiling() or torch.cuda.is_current_stream_capturing()):
+        # (under torch.compile too: the graph that a compiled CUDA-graph step warms up must be the one captured)
+        # CUDA-graph capture without the grouped GEMM (fp32, odd widths): no host read is allowed, so gather each
+        # row's expert weights and use batched products (decode-sized M only: it reads M expert matrices)
+        M = xs.shape[0]
+        eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
+        h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
+        h = glu_act(config, h[:, :F_], h[:, F_:])
+        return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
+    out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
+    n_of = counts.tolist()  # one host read; then only the experts that received tokens run
+    start = 0
+    for e, n in enumerate(n_of):
+        if n == 0:
+            continue
+        seg = xs[start:start + n]
+        h = seg @ gate_up[e].t().to(seg.dtype)
+        h = glu_act(config, h[:, :F_], h[:, F_:])
+        out[start:start + n] = h @ down[e].t().to(h.dtype)
+        start += n
+    return out
+
+
+class KimiMoE(nn.Module):
+    """Sparse MoE block (``block_sparse_moe`` in the released checkpoints, ``mlp`` here).
+
+    ``y = sum_k w_k expert_{e_k}(x) + shared(x)``; with K3's latent MoE (``routed_expert_hidden_size`` set) the
+    routed experts run on ``z = routed_expert_down_proj(x)`` and their combined output goes through
+    ``routed_expert_norm`` (if ``latent_moe_use_norm``) and ``routed_expert_up_proj`` before the shared experts are
+    added. ``[B, T, D] -> [B, T, D]``.
+    """
+
+    def __init__(self, config: KimiHybridConfig):
+        super().__init__()
+        self.config = config
+        L = config.routed_expert_hidden_size
+        self.latent = L is not None
+        self.gate = KimiRouter(config)
+        self.experts = KimiExperts(config, L if self.latent else config.hidden_size)
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, L, bias=False)
+            self.routed_expert_up_proj = nn.Linear(L, config.hidden_size, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = KimiRMSNorm(L, eps=config.rms_norm_eps)
+        if config.num_shared_experts:
+            self.shared_experts = KimiMLP(config, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        _, w, idx = self.gate(flat)
+        z = self.routed_expert_down_proj(flat) if self.latent else flat
+        y = self.experts(z, idx, w)
+        if self.latent:
+            if self.config.latent_moe_use_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.config.num_shared_experts:
+            y = y + self.shared_experts(flat)
+        return y.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KDA
+# ----------------------------------------------------------------------------------------------------------------
+
+def _compact(mask: torch.Tensor):
+    """Stable permutation that moves the real tokens of each row to the front. ``mask [B, T]`` bool.
+    Returns ``(perm [B, T], lengths [B])``."""
+    perm = (~mask).to(torch.int8).argsort(dim=1, stable=True)
+    return perm, mask.sum(1)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention layer (checkpoint keys: see docs/LAYOUT.md).
+
+    ``q/k/v_proj`` (D -> P = H*K), causal depthwise short conv + SiLU on each (kernel W), decay gate from the rank-K
+    bottleneck ``f_b_proj(f_a_proj(x))`` (Kimi-Linear softplus form, or K3 ``gate_lower_bound`` form), beta =
+    sigmoid(b_proj(x)) in fp32, L2-normalised q/k in the kernel, fp32 state ``[B, H, K, V]``, gated RMSNorm with
+    gate ``g_b_proj(g_a_proj(x))`` (or K3 full-rank ``g_proj(x)``), ``o_proj`` (P -> D).
+
+    Padding (``token_mask [B, T]``, False = pad): each row's real tokens are moved to the front, the pads at the tail
+    get k = 0, beta = 0, g = 0 (no state change) and never enter the conv window, and outputs are scattered back
+    (pads output 0). Left, right and interior padding therefore leave every state as without the pads.
+    Packing (``cu_seqlens`` over the flattened tokens): conv windows and states restart at every boundary.
+    """
+
+    def __init__(self, config: KimiHybridConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D = config.hidden_size
+        H, K = config.linear_num_heads, config.linear_head_dim
+        self.num_heads, self.head_dim, self.proj_dim = H, K, H * K
+        W = config.linear_conv_kernel_size
+        self.conv_size = W
+        P = self.proj_dim
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, padding=W - 1, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, padding=W - 1, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, padding=W - 1, bias=False)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.o_norm = KimiGatedRMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:
+        """The three depthwise kernels fused: ``[3P, W]`` (q | k | v channels)."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+
+    # the conv kernels are read directly (conv_weight), never through the conv modules: fire their accelerate hooks
+    # so CPU / disk offload (device_map) materialises them
+    @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
+    def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
+                token_mask: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, T, D]`` (after input_layernorm) -> ``[B, T, D]``."""
+        B, T, _ = x.shape
+        if cu_seqlens is not None:
+            if cache is not None and cache.seen_tokens > 0:
+                raise ValueError("packed sequences (cu_seqlens / position_ids restarts) cannot continue a cache")
+            y = self._forward_core(x.reshape(1, B * T, -1), None, None, None, cu_seqlens)
+            return y.reshape(B, T, -1)
+        if token_mask is None:
+            return self._forward_core(x, cache, None, None, None)
+        if T == 1:  # one token (decode): nothing to move, the mask is the validity
+            y = self._forward_core(x, cache, token_mask, token_mask.sum(1), None, token_mask=token_mask)
+            return y * token_mask.unsqueeze(-1).to(y.dtype)
+        perm, lengths = _compact(token_mask)
+        xc = x.gather(1, perm.unsqueeze(-1).expand_as(x))
+        valid = torch.arange(T, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
+        yc = self._forward_core(xc, cache, valid, lengths, None, perm=perm, token_mask=token_mask)
+        y = torch.zeros_like(yc).scatter(1, perm.unsqueeze(-1).expand_as(yc), yc)
+        return y * token_mask.unsqueeze(-1).to(y.dtype)
+
+    def _forward_core(self, x, cache, valid, lengths, cu_seqlens, perm=None, token_mask=None):
+        B, T, _ = x.shape
+        H, K, P, W = self.num_heads, self.head_dim, self.proj_dim, self.conv_size
+        layer: Optional[KDALayerCache] = cache.layers[self.layer_idx] if cache is not None else None
+        # static buffers start at zero, which is the same as "no state": no length read in static mode
+        has_state = layer is not None and layer.recurrent_state is not None and (cache.static or cache.seen_tokens > 0)
+        x_raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
+        weight = self.conv_weight()
+        conv_state = layer.conv_state if has_state else None
+        if has_state and T == 1:
+            y, new_window = short_conv_update(x_raw[:, 0], weight, conv_state)
+            y = y.unsqueeze(1)
+            if valid is not None:
+                new_window = torch.where(valid[:, :1, None], new_window, conv_state)
+        else:
+            y, new_window = short_conv(x_raw, weight, conv_state, "silu", cu_seqlens)
+            if valid is not None and cache is not None:
+                new_window = self._window_at(conv_state, x_raw, lengths)
+        q, k, v = y.split(P, dim=-1)
+        q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias,
+                     self.config.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if valid is not None:
+            vm = valid[..., None, None]
+            k = k * vm.to(k.dtype)
+            g = g * vm.to(g.dtype)
+            beta = beta * valid[..., None].to(beta.dtype)
+        beta = beta.to(q.dtype) if q.is_cuda else beta
+        init_state = layer.recurrent_state if has_state else None
+        want_state = cache is not None
+        record = cache is not None and cache.recording and cu_seqlens is None
+        if layer is not None and not record:
+            layer.record = None  # a record must cover every token up to the current length
+        if record:
+            o, final = self._run_recording(q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm,
+                                           token_mask)
+        else:
+            o, final = self._run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens)
+        if cache is not None:
+            self._store(cache, layer, new_window, final)
+        if self.config.use_full_rank_gate:
+            gate = self.g_proj(x)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o.reshape(B, T, H, K), gate.view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, P))
+
+    def _window_at(self, conv_state, x_raw, lengths):
+        """Last W-1 real pre-conv inputs of each row (real tokens are at the front), oldest first."""
+        B, T, C = x_raw.shape
+        W1 = self.conv_size - 1
+        prev = conv_state if conv_state is not None else x_raw.new_zeros(B, C, W1)
+        full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)  # [B, C, W1 + T]
+        idx = lengths.view(B, 1, 1) + torch.arange(W1, device=x_raw.device).view(1, 1, W1)
+        return full.gather(2, idx.expand(B, C, W1))
+
+    def _store(self, cache, layer, window, state):
+        if cache.static:
+            layer.conv_state.copy_(window)
+            layer.recurrent_state.copy_(state)
+        else:
+            layer.conv_state = window
+            layer.recurrent_state = state
+
+    @staticmethod
+    def _run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens=None):
+        """Recurrent kernel for short decode steps from a state (no grad), chunked otherwise."""
+        if init_state is not None and q.shape[1] <= 64 and not torch.is_grad_enabled():
+            return kda_recurrent(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state)
+        return kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
+                         cu_seqlens=cu_seqlens)
+
+    def _run_recording(self, q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm=None,
+                       token_mask=None):
+        """Run the step and keep the rollback record of the cache (module doc of cache_kimi_hybrid): append to the
+        record when it ends where this call starts and the call is shorter than ``kda_record_max_tokens`` (R), else
+        start a new record anchored ``min(T, R)`` tokens before the end of the call (the state there comes from
+        splitting the kernel call, no extra work). A padded call (``token_mask``; ``perm`` from the compaction) is
+        recorded in position order with its pads neutral (k = g = beta = 0), anchored at the start of the call."""
+        B, T = q.shape[:2]
+        R = max(1, int(self.config.kda_record_max_tokens))
+        start = cache.seen_tokens
+        tokens = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "x": x_raw}
+        if perm is not None:  # back to position order: pads land on their positions with k = g = beta = 0
+            tokens = {n: torch.zeros_like(t).scatter(1, perm.view(B, T, *([1] * (t.dim() - 2))).expand_as(t), t)
+                      for n, t in tokens.items()}
+        padded = token_mask is not None
+        tokens["valid"] = token_mask if padded else torch.ones(B, T, dtype=torch.bool, device=q.device)
+        if layer.record is not None and layer.record["end"] == start and (T < R or padded):
+            o, final = self._run_kda(q, k, v, g, beta, init_state, True)
+            layer.extend_record(tokens, R)
+            return o, final
+        H, K, W1 = self.num_heads, self.head_dim, self.conv_size - 1
+        split = 0 if padded else max(0, T - R)
+        S0 = init_state if init_state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+        W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W1)
+        outs = []
+        if split > 0:
+            o1, S0 = kda_chunk(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
+                               initial_state=init_state, output_final_state=True)
+            outs.append(o1)
+            full = torch.cat([W0.to(x_raw.dtype), x_raw[:, :split].transpose(1, 2)], dim=-1)
+            W0 = full[..., full.shape[-1] - W1:]
+        rest = [t[:, split:] for t in (q, k, v, g, beta)]
+        o2, final = self._run_kda(*rest, S0 if (split > 0 or init_state is not None) else None, True)
+        outs.append(o2)
+        layer.start_record(start + split, S0, W0, {name: t[:, split:] for name, t in tokens.items()}, R)
+        return torch.cat(outs, 1) if len(outs) > 1 else o2, final
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MLA
+# ----------------------------------------------------------------------------------------------------------------
+
+class KimiMLAttention(nn.Module):
+    """NoPE Multi-head Latent Attention (DeepSeek-V2 MLA without rotary; K3 adds a low-rank query and a sigmoid output
+    gate). The cache holds only ``latent = [RMSNorm(c_kv) | k_pe]`` (``kv_lora_rank + qk_rope_head_dim`` per token).
+
+    Prefill / training: per-head K/V are decompressed with ``kv_b_proj`` and attention runs through SDPA.
+    Decode (no grad, at most ``mla_absorb_max_q_len`` new tokens, a cache): attention runs in latent space: the
+    query absorbs ``W_UK`` and the output ``W_UV`` (both slices of ``kv_b_proj.weight``), so a step reads only the
+    ``T x (kv_lora_rank + rope)`` latents. When ``kv_b_proj`` is not a plain ``nn.Linear`` (a PEFT LoRA wrapper, a
+    quantised layer) the absorbed path is skipped and the module is called, so an adapter is always honoured.
+    """
+
+    def __init__(self, config: KimiHybridConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.qk_dim = self.nope + self.rope
+        self.r = config.kv_lora_rank
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = KimiRMSNorm(config.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.r + self.rope, bias=False)
+        self.kv_a_layernorm = KimiRMSNorm(self.r, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.r, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
+        self.scaling = self.qk_dim ** -0.5
+
+    # the absorbed decode reads kv_b_proj.weight directly: fire its accelerate hook (CPU / disk offload)
+    @force_accelerate_hooks("kv_b_proj")
+    def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [B, T, D]``; ``attn_mask`` bool ``[B, 1, T, T_keys]`` (True = attend) or None for plain causal."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.config.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.qk_dim)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = kv.split([self.r, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)  # [B, T, r + rope]
+        if cache is not None:
+            latent = cache.mla_update(self.layer_idx, latent)
+        absorbed = (cache is not None and not torch.is_grad_enabled() and T <= self.config.mla_absorb_max_q_len
+                    and type(self.kv_b_proj) is nn.Linear and latent.shape[1] > T)
+        if absorbed:
+            out = self._attend_latent(q, latent, attn_mask)
+        else:
+            out = self._attend_decompressed(q, latent, attn_mask)
+        out = out.reshape(B, T, H * self.v_dim)
+        if self.config.mla_use_output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _attend_decompressed(self, q, latent, attn_mask):
+        B, T, H, _ = q.shape
+        Tk = latent.shape[1]
+        c_kv, k_pe = latent.split([self.r, self.rope], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(B, Tk, H, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Tk, H, self.rope)], dim=-1)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if attn_mask is None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=self.scaling)
+        elif type(attn_mask).__name__ == "CausalBias" and qh.is_cuda and self.v_dim < self.qk_dim:
+            # chunked prefill (bottom-right causal): SDPA serves it with flash only when q, k and v share a head dim;
+            # otherwise its mem-efficient fallback at head dim 192 is ~10x slower. Pad v with zeros, slice back.
+            vp = F.pad(vh, (0, self.qk_dim - self.v_dim))
+            o = F.scaled_dot_product_attention(qh, kh, vp, attn_mask=attn_mask, scale=self.scaling)[..., :self.v_dim]
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=self.scaling)
+        return o.transpose(1, 2)  # [B, T, H, v]
+
+    def _attend_latent(self, q, latent, attn_mask):
+        """Attention in latent space (decode): ``q [B, T, H, nope + rope]``, ``latent [B, S, r + rope]`` (the cache),
+        ``attn_mask`` bool ``[B, 1, T, S]`` / a ``CausalBias`` / None. Returns ``[B, T, H, v]``.
+
+        With ``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` the two slices of ``kv_b_proj.weight``:
+        ``score[t, h, s] = <q_nope W_UK | q_pe, c_kv[s] | k_pe[s]>`` and ``out = (p @ c_kv) W_UV^T``. Because the
+        absorbed query ``[q_nope W_UK | q_pe]`` has the latent's own layout (576 values), all heads and query tokens
+        form one ``[T*H, 576] x [576, S]`` product against the cache (MQA over one shared latent "head"): the step
+        reads each cached latent once for the scores and its ``c_kv`` part once for the context, and nothing of
+        size ``S x H`` except the fp32 scores. Scores and softmax are fp32 (the product accumulates in fp32 and is
+        written in fp32 where torch supports ``out_dtype``); probabilities are cast to the latent dtype for the
+        context product, as SDPA does.
+        """
+        B, T, H, _ = q.shape
+        S = latent.shape[1]
+        r, n, dv = self.r, self.nope, self.v_dim
+        w = self.kv_b_proj.weight.view(H, n + dv, r)
+        w_uk, w_uv = w[:, :n], w[:, n:]
+        q_nope, q_pe = q.split([n, self.rope], dim=-1)
+        # absorb W_UK: per head [B*T, n] @ [n, r]
+        q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk.to(q.dtype))  # [H, B*T, r]
+        q_lat = q_lat.transpose(0, 1).reshape(B, T, H, r)
+        qf = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).reshape(B, T * H, r + self.rope)
+        scores = _bmm_fp32(qf, latent.transpose(1, 2).to(qf.dtype))  # [B, T*H, S] fp32
+        scores = scores.view(B, T, H, S).mul_(self.scaling)
+        if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":  # chunked prefill (SDPA bias object)
+            attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
+        if attn_mask is None and T > 1:
+            q_abs = torch.arange(T, device=q.device) + (S - T)
+            attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask.transpose(1, 2), float("-inf"))  # [B|1, T, 1, S]
+        p = scores.softmax(-1).to(latent.dtype).view(B, T * H, S)
+        ctx = torch.bmm(p, latent[..., :r])  # [B, T*H, r]
+        # absorb W_UV: per head [B*T, r] @ [r, v]
+        ctx = ctx.view(B * T, H, r).transpose(0, 1)
+        out = torch.bmm(ctx, w_uv.transpose(1, 2).to(ctx.dtype))  # [H, B*T, v]
+        return out.transpose(0, 1).reshape(B, T, H, dv)
+
+
+_OUT_DTYPE_OK = {}
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
+    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
+    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    key = (a.device.type, a.dtype)
+    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
+        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
+    if _OUT_DTYPE_OK.get(key, True):
+        try:
+            out = torch.bmm(a, b, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[key] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return torch.bmm(a, b).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decoder
+# ----------------------------------------------------------------------------------------------------------------
+
+def attn_res_mix(prefix: torch.Tensor, bank: List[torch.Tensor], proj_w: torch.Tensor, norm_w: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """K3 block attention residual: softmax over depth of ``<RMSNorm(V_j), norm_w * proj_w>`` (fp32, no scale), mixing
+    the raw candidates ``V = bank + [prefix]``. ``prefix`` ``[B, T, D]``; returns ``[B, T, D]`` in prefix.dtype."""
+    V = torch.stack([*bank, prefix], dim=-2).float()  # [B, T, n, D]
+    keys = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    s = norm_w.float() * proj_w.float().view(-1)
+    alpha = (keys @ s).softmax(-1)  # [B, T, n]
+    return (alpha.unsqueeze(-1) * V).sum(-2).to(prefix.dtype)
+
+
+class KimiDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm decoder layer: ``h += attn(norm(h)); h += mlp(norm(h))`` (KDA or MLA, dense MLP or MoE). With K3's
+    AttnRes the layer carries the partial block sum and the block bank instead of a residual stream."""
+
+    def __init__(self, config: KimiHybridConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        D = config.hidden_size
+        self.self_attn = (KimiDeltaAttention(config, layer_idx) if self.layer_type == LINEAR
+                          else KimiMLAttention(config, layer_idx))
+        self.mlp = KimiMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiMLP(config)
+        self.input_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+        self.attn_res = config.attn_res_block_size > 0
+        if self.attn_res:
+            self.self_attention_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def _attn(self, h, cache, ctx):
+        if self.layer_type == LINEAR:
+            return self.self_attn(h, cache, ctx["token_mask"], ctx["cu_seqlens"])
+        return self.self_attn(h, cache, ctx["mla_mask"])
+
+    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, *bank: torch.Tensor):
+        """Returns ``(prefix_sum or hidden state, bank)``. The AttnRes bank comes as positional tensors so that a
+        reentrant gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph)."""
+        if not self.attn_res:
+            h = hidden_states
+            h = h + self._attn(self.input_layernorm(h), cache, ctx)
+            return h + self.mlp(self.post_attention_layernorm(h)), None
+        # K3 AttnRes (k3-spec section 1.3)
+        eps = self.config.rms_norm_eps
+        p = hidden_states
+        bank = list(bank)
+        x_attn = (attn_res_mix(p, bank, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight, eps)
+                  if bank else p)
+        if self.layer_idx % self.config.attn_res_block_size == 0:
+            bank.append(p)
+            p = None
+        a = self._attn(self.input_layernorm(x_attn), cache, ctx)
+        p = a if p is None else p + a
+        x_mlp = attn_res_mix(p, bank, self.mlp_res_proj.weight, self.mlp_res_norm.weight, eps)
+        return p + self.mlp(self.post_attention_layernorm(x_mlp)), bank
+
+
+class KimiHybridPreTrainedModel(PreTrainedModel):
+    """Weights init, fp32-kept parameters and the flags transformers reads."""
+
+    config_class = KimiHybridConfig
+    config: KimiHybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _is_stateful = False  # the cache can be cropped (assisted decoding), see KimiHybridCache.crop
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Conv1d):
+            init.normal_(module.weight, mean=0.0, std=1.0 / math.sqrt(module.kernel_size[0]))
+        elif isinstance(module, (KimiRMSNorm, KimiGatedRMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, KimiRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, KimiExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KimiDeltaAttention):
+            # FLA's KDA initialisation: A = U(1, 16); dt = U(1e-3, 1e-1) stored as inverse softplus
+            a = torch.empty_like(module.A_log, dtype=torch.float32).uniform_(1.0, 16.0).log()
+            init.copy_(module.A_log, a)
+            dt = torch.empty_like(module.dt_bias, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+            dt = dt.clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+def _graph_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return None
+    starts = position_ids == 0
+    if not bool(starts[:, 1:].any()):
+        return None
+    starts = starts.clone()
+    starts[:, 0] = True
+    return starts.long().cumsum(1)
+
+
+class KimiHybridModel(KimiHybridPreTrainedModel):
+    """The decoder stack: embeddings, layers, final norm (and K3's exit AttnRes). Returns the last hidden state
+    ``[B, T, D]`` and the :class:`KimiHybridCache`."""
+
+    def __init__(self, config: KimiHybridConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.attn_res_block_size > 0:
+            self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+        if config.use_full_rank_gate:
+            # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time (also for AutoModel loads)
+            self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
+                "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[KimiHybridCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> Union[BaseModelOutputWithPast, Tuple]:
+        """Args: ``input_ids [B, T]`` (or ``inputs_embeds [B, T, D]``); ``attention_mask [B, past + T]`` or
+        ``[B, T]`` 0/1 (2-D only; pads anywhere); ``position_ids [B, T]`` (only used to detect packed documents:
+        a 0 after the first token starts a new one, when there is no mask and no cache); ``cu_seqlens [N + 1]``
+        packed boundaries for batch 1. A padded position changes no state and no real position's output; its own
+        output repeats that of the last real token before it in the same call (right-padded rows generate right).
+        Raises ValueError on a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given
+        cache, or a static cache that would overflow."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T, _ = inputs_embeds.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        cache = past_key_values if use_cache or past_key_values is not None else None
+        if cache is not None and not isinstance(cache, KimiHybridCache):
+            if cache.get_seq_length() == 0:
+                cache = KimiHybridCache(self.config)
+            else:
+                raise ValueError(f"KimiHybrid needs a KimiHybridCache, got a filled {type(cache).__name__}")
+        if use_cache and cache is None:
+            cache = KimiHybridCache(self.config)
+        static = cache is not None and cache.static
+        if cache is not None:
+            want = config_fingerprint(self.config)
+            if cache.fingerprint != want:
+                raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
+                                 f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
+            cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
+            if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
+                raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
+            # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
+            # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
+            if (static and not torch.compiler.is_compiling() and not _graph_capturing(inputs_embeds)
+                    and cache.seen_tokens + T > cache.max_cache_len):
+                raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
+                                 f"tokens and cannot take {T} more")
+        # static mode never reads the Python length here (a compiled decode step must not specialise on it): its
+        # positions come from the device counter cache._pos, and its zero-initialised buffers act as "no state"
+        past = 0 if cache is None or static else cache.seen_tokens
+
+        # -- masks ----------------------------------------------------------------------------------------------
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {attention_mask.dim()}-D")
+        token_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape[1] < T:
+                raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns, fewer than the {T} tokens")
+            token_mask = attention_mask[:, -T:].bool()
+            if attention_mask.shape[1] == past + T and cache is not None and cache.key_mask is not None \
+                    and not cache.static and past > 0:
+                # trust the caller's history for earlier pads
+                cache.key_mask = attention_mask[:, :past].bool() & cache.key_mask
+        segs = None
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError("cu_seqlens describes packed documents of batch 1; flatten the batch first")
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(inputs_embeds.device)
+            segs = torch.repeat_interleave(torch.arange(lengths.numel(), device=inputs_embeds.device),
+                                           lengths).unsqueeze(0)
+        elif attention_mask is None and past == 0 and not static:
+            segs = _segment_ids_from_positions(position_ids)
+        if segs is not None and cache is not None:
+            if past_key_values is not None:
+                raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written to a "
+                                 "cache: run them with use_cache=False, or one document per row with a cache")
+            cache = None  # the cache created for use_cache would hold no consistent state of several documents
+        kda_cu = None
+        if segs is not None:
+            flat = segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)
+            flat = flat.reshape(-1)
+            change = torch.ones_like(flat, dtype=torch.bool)
+            change[1:] = flat[1:] != flat[:-1]
+            starts = change.nonzero().flatten()
+            kda_cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
+            token_mask = None
+        full_mask = token_mask
+        if token_mask is not None and not static and bool(token_mask.all()):
+            token_mask = None  # (static mode keeps the mask: pure tensor ops, no data-dependent branch)
+        if cache is not None:
+            keys_valid = cache.update_key_mask(full_mask if full_mask is not None else
+                                               torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device))
+        else:
+            keys_valid = full_mask
+        mla_mask = None
+        need_mask = (static or segs is not None or past > 0
+                     or (keys_valid is not None and not bool(keys_valid.all())))
+        if FULL in self.config.layer_types and need_mask:
+            if (T > 1 and past > 0 and segs is None and token_mask is None and not cache.static
+                    and bool(keys_valid.all())):
+                # chunked prefill through a cache without padding: bottom-right causal, never materialised (SDPA
+                # runs it in its fused kernels; a dense [T, past + T] mask would not fit at long context)
+                from torch.nn.attention.bias import causal_lower_right
+
+                mla_mask = causal_lower_right(T, past + T)
+            else:
+                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, inputs_embeds.device)
+        ctx = {"token_mask": token_mask, "cu_seqlens": kda_cu, "mla_mask": mla_mask}
+
+        # -- layers ---------------------------------------------------------------------------------------------
+        all_hidden = [] if output_hidden_states else None
+        h = inputs_embeds
+        bank: Optional[List[torch.Tensor]] = [] if self.config.attn_res_block_size > 0 else None
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(h)
+            h, bank = layer(h, cache, ctx, *(bank or ()))
+        if self.config.attn_res_block_size > 0:
+            h = attn_res_mix(h, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
+                             self.config.rms_norm_eps)
+        h = self.norm(h)
+        if token_mask is not None:
+            # a pad's output repeats the output of its row's last real token before it (in this call, else the one
+            # the dynamic cache kept), so the last position of a right-padded row predicts that row's next token
+            # (generate reads logits[:, -1]), also when the last piece of a chunked prefill is all padding
+            pos = torch.arange(T, device=h.device).expand(B, T)
+            last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
+            src = torch.where(last >= 0, last, pos)
+            h = h.gather(1, src.unsqueeze(-1).expand_as(h))
+            if cache is not None and not static and cache.last_hidden is not None:
+                h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
+        if cache is not None and not static:
+            cache.last_hidden = h[:, -1].detach().clone()
+        if all_hidden is not None:
+            all_hidden.append(h)
+        if cache is not None:
+            cache.advance(T)
+        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache else None,
+                                      hidden_states=tuple(all_hidden) if all_hidden is not None else None)
+        return out if return_dict is not False else out.to_tuple()
+
+    @staticmethod
+    def _mla_mask(B, T, past, keys_valid, segs, cache, device):
+        """Bool ``[B, 1, T, T_keys]``: causal, key padding, same document; a fully masked row may see itself."""
+        if cache is not None and cache.static:
+            Tk = cache.max_cache_len
+            q_abs = cache._pos + torch.arange(T, device=device)
+        else:
+            Tk = past + T
+            q_abs = past + torch.arange(T, device=device)
+        k_idx = torch.arange(Tk, device=device)
+        m = (k_idx.view(1, Tk) <= q_abs.view(T, 1)).unsqueeze(0).expand(B, T, Tk)
+        if keys_valid is not None:
+            m = m & keys_valid[:, None, :Tk]
+        if segs is not None:
+            m = m & (segs[:, :, None] == segs[:, None, :])
+        diag = k_idx.view(1, 1, Tk) == q_abs.view(1, T, 1)
+        m = m | (diag & ~m.any(-1, keepdim=True))
+        return m.unsqueeze(1)
+
+
+class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
+    """Causal LM head over :class:`KimiHybridModel`. Loss with ``labels`` (shifted inside, -100 ignored),
+    ``logits_to_keep`` (int: last N positions, 0 = all; or a 1-D index tensor). Generation uses
+    :class:`KimiHybridCache` for every strategy (greedy, sampling, beam search, assisted / prompt lookup, static)."""
+
+    _tied_weights_keys: dict = {}
+
+    def __init__(self, config: KimiHybridConfig):
+        super().__init__(config)
+        self.model = KimiHybridModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()  # gathers the child model's K3 fp32 list
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new):
+        self.lm_head = new
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[KimiHybridCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        **kwargs: Any,
+    ) -> Union[CausalLMOutputWithPast, Tuple]:
+        """Returns ``logits [B, T_kept, V]`` (model dtype), ``loss`` (fp32 mean cross-entropy over labels != -100)
+        and ``past_key_values``. See :meth:`KimiHybridModel.forward` for the inputs."""
+        kwargs.pop("cache_position", None)
+        for k in ("output_attentions", "num_items_in_batch_unused"):
+            kwargs.pop(k, None)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, return_dict=True, cu_seqlens=cu_seqlens)
+        h = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss_kw = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")}
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kw)
+        res = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                     hidden_states=out.hidden_states)
+        return res if return_dict is not False else res.to_tuple()
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
+        """transformers' default, but the 2-D padding mask is always passed through (our layers build their own
+        KDA / MLA masks from it, also with a static cache)."""
+        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values,
+                                                       attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        return inputs
+
+    # -- prefix reuse ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill_prefix(self, prefix_ids: torch.LongTensor,
+                       attention_mask: Optional[torch.Tensor] = None) -> KimiHybridCache:
+        """Run a prefix shared by many prompts (a system prompt, an agent's tool list, a document) once.
+
+        ``prefix_ids [1, P]`` (or ``[B, P]``). Returns its :class:`KimiHybridCache`; keep it as the snapshot and give
+        each continuation ``prefix_cache.fork()`` (or use :meth:`generate_from_prefix`), so the prefix is never
+        recomputed. Only the last position's logits are computed."""
+        cache = KimiHybridCache(self.config)
+        self(input_ids=prefix_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+             logits_to_keep=1)
+        return cache
+
+    @torch.no_grad()
+    def generate_from_prefix(self, prefix_cache: KimiHybridCache, prefix_ids: torch.LongTensor,
+                             suffixes: List[torch.LongTensor], **generate_kwargs):
+        """Generate for many prompts ``prefix + suffix_i`` in one batch, reusing ``prefix_cache`` (from
+        :meth:`prefill_prefix` over ``prefix_ids [1, P]``) instead of recomputing the prefix.
+
+        Rows are ``prefix | pads | suffix_i`` (interior padding, so every prompt ends in the last column; pads
+        change nothing, see :meth:`KimiHybridModel.forward`) with the prefix cache forked to ``len(suffixes)`` rows;
+        ``prefix_cache`` itself is left untouched. ``suffixes``: 1-D id tensors (at least one token each).
+        Returns what ``generate`` returns (``sequences [n, P + max_suffix + new]``)."""
+        if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1:
+            raise ValueError(f"prefix_ids must be [1, P], got {tuple(prefix_ids.shape)}")
+        P = prefix_ids.shape[1]
+        if prefix_cache.get_seq_length() != P or prefix_cache.batch_size != 1:
+            raise ValueError(f"prefix_cache holds {prefix_cache.get_seq_length()} tokens of batch "
+                             f"{prefix_cache.batch_size}; expected the cache of prefix_ids ({P} tokens, batch 1)")
+        if not suffixes or any(s.dim() != 1 or s.numel() == 0 for s in suffixes):
+            raise ValueError("suffixes must be a non-empty list of non-empty 1-D id tensors")
+        n, S = len(suffixes), max(int(s.numel()) for s in suffixes)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        ids = torch.full((n, P + S), pad, dtype=prefix_ids.dtype, device=prefix_ids.device)
+        mask = torch.zeros(n, P + S, dtype=torch.long, device=prefix_ids.device)
+        ids[:, :P] = prefix_ids
+        mask[:, :P] = 1
+        for i, s in enumerate(suffixes):
+            ids[i, P + S - s.numel():] = s.to(ids.device)
+            mask[i, P + S - s.numel():] = 1
+        generate_kwargs.setdefault("pad_token_id", pad)
+        return self.generate(ids, attention_mask=mask, past_key_values=prefix_cache.fork(n), **generate_kwargs)
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """Called by ``prepare_inputs_for_generation`` for a compileable (static) cache: keep the 2-D padding mask,
+        our model builds its KDA / MLA masks from it (and from the cache's ``key_mask``) itself."""
+        return attention_mask
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Build a :class:`KimiHybridCache` (static when ``cache_implementation="static"``) instead of transformers'
+        DynamicCache / StaticCache."""
+        user = model_kwargs.get("past_key_values")
+        if user is not None:
+            if isinstance(user, KimiHybridCache):
+                user._is_user_defined = True
+                return
+            if user.get_seq_length() == 0:
+                model_kwargs["past_key_values"] = KimiHybridCache(self.config)
+                return
+            raise ValueError(f"KimiHybrid generation needs a KimiHybridCache, got a filled {type(user).__name__}")
+        if generation_config.use_cache is False:
+            return
+        impl = getattr(generation_config, "cache_implementation", None)
+        if impl == "static":
+            max_len = kwargs.get("max_cache_length")
+            if max_len is None and len(args) >= 3:
+                max_len = args[2]
+            if max_len is None:
+                max_len = generation_config.max_length
+            if getattr(generation_config, "max_cache_len", None):
+                max_len = max(max_len, generation_config.max_cache_len)
+            model_kwargs["past_key_values"] = KimiHybridCache(self.config, max_cache_len=int(max_len))
+        elif impl in (None, "dynamic"):
+            model_kwargs["past_key_values"] = KimiHybridCache(self.config)
+        else:
+            raise ValueError(f"cache_implementation={impl!r} is not supported by KimiHybrid; use None/'dynamic' or "
+                             "'static'")
+        if getattr(generation_config, "is_assistant", False):
+            # a draft model's cache is rolled back over several of its forwards (see KimiHybridCache.crop)
+            model_kwargs["past_key_values"].activate_past_recording()
