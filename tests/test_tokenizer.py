@@ -370,6 +370,19 @@ def test_kimi_linear_template_exact(tok):
     assert ids[0] == 8202 and ids[-1] == 8209 and ids.count(8194) == 2
 
 
+def test_chat_template_tensor_requests_tokenize(tok):
+    """The Kimi default returns a string, but asking for tensors / a dict without ``tokenize`` tokenizes (the
+    standard transformers recipe), and contradicting options are refused instead of silently ignored."""
+    msgs = CONVERSATION[:2]
+    want = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    enc = tok.apply_chat_template(msgs, return_tensors="pt", return_dict=True)
+    assert enc["input_ids"].shape == (1, len(want)) and enc["input_ids"][0].tolist() == want
+    assert enc["attention_mask"].sum().item() == len(want)
+    assert tok.apply_chat_template(msgs, return_dict=True)["input_ids"] == want
+    with pytest.raises(ValueError, match="tokenize=True"):
+        tok.apply_chat_template(msgs, tokenize=False, return_tensors="pt")
+
+
 def test_kimi_linear_template_defaults(tok):
     # No default system prompt is injected, content parts are concatenated, tool call ids are synthesised.
     rendered = tok.apply_chat_template([

@@ -560,9 +560,16 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
     def apply_chat_template(self, conversation, tools=None, add_generation_prompt: bool = True, **kwargs):
         """Render (and by default not tokenize) a conversation with the chat template.
 
-        Kimi conventions: ``tools`` dicts are key-sorted recursively; ``add_generation_prompt`` defaults to True.
-        ``chat_template`` may be a template string or a name ("kimi-linear", "kimi-k3") whose markers must be
-        special tokens of this layout. K3 extras: ``thinking`` (bool), ``thinking_effort`` (str).
+        Kimi conventions (the released tokenizer's): ``tools`` dicts are key-sorted recursively;
+        ``add_generation_prompt`` defaults to True; ``tokenize`` defaults to False (a string comes back), except that
+        asking for ``return_tensors`` or ``return_dict=True`` without saying ``tokenize`` tokenizes (those only exist
+        for token ids; transformers' own default is ``tokenize=True``). ``chat_template`` may be a template string or
+        a name ("kimi-linear", "kimi-k3") whose markers must be special tokens of this layout. K3 extras:
+        ``thinking`` (bool), ``thinking_effort`` (str).
+
+        Raises:
+            ValueError: ``tokenize=False`` together with ``return_tensors`` / ``return_dict=True``, or a named
+                template whose markers are not special tokens of this layout.
         """
         name = kwargs.get("chat_template")
         if isinstance(name, str) and name in CHAT_TEMPLATES:
@@ -572,7 +579,12 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
             templates = self.chat_template if isinstance(self.chat_template, dict) else {}
             if name not in templates:
                 kwargs["chat_template"] = CHAT_TEMPLATES[name]
-        kwargs.setdefault("tokenize", False)
+        wants_ids = kwargs.get("return_tensors") is not None or bool(kwargs.get("return_dict"))
+        if "tokenize" not in kwargs:
+            kwargs["tokenize"] = wants_ids
+        elif wants_ids and not kwargs["tokenize"]:
+            raise ValueError("return_tensors / return_dict need token ids: pass tokenize=True (or drop them to get "
+                             "the rendered string)")
         return super().apply_chat_template(
             conversation, tools=deep_sort(tools) if tools else None, add_generation_prompt=add_generation_prompt,
             **kwargs,
