@@ -203,6 +203,10 @@ class KimiHybridConfig(PretrainedConfig):
             max_position_embeddings = kwargs.pop("model_max_length")
         kwargs.pop("auto_map", None) if kwargs.get("model_type") == "kimi_linear" else None
         kwargs.pop("model_type", None)
+        for field, value in (("num_hidden_layers", num_hidden_layers), ("hidden_size", hidden_size),
+                             ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

@@ -399,8 +399,8 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     needed: the recurrent kernels have none, so on CUDA FLA's chunked kernel, which has a backward, is used instead).
     Set ``KIMI_HYBRID_DISABLE_TRITON_DECODE=1`` to route CUDA decode to FLA (A/B comparisons).
 
-    The Triton and FLA calls allocate its output and final state and never synchronises with the host, so a decode step that
-    uses it can be captured in a CUDA graph (after a warm-up call has run Triton's autotuning)."""
+    The Triton and FLA calls allocate their outputs and final states and never synchronise with the host, so a decode
+    step that uses them can be captured in a CUDA graph (after a warm-up call has compiled / autotuned the kernels)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
     if (q.is_cuda and not needs_grad and cu_seqlens is None and initial_state is not None and _TRITON
             and USE_TRITON_DECODE and not _compiling() and q.shape[-1] <= 256):

@@ -215,7 +215,8 @@ try:
     @triton.jit
     def _moe_gate_up_glu_kernel(x_ptr, w_ptr, idx_ptr, h_ptr, D: tl.constexpr, F: tl.constexpr, K_TOP: tl.constexpr,
                                 BN: tl.constexpr, BD: tl.constexpr):
-        """Widths are compile-time constants (one model, one compile). Program (pair m, block of BN intermediate channels): ``h[m, n] = silu(W1[e] x) * (W3[e] x)`` with
+        """Widths are compile-time constants (one model, one compile). Program (pair m, block of BN intermediate
+        channels): ``h[m, n] = silu(W1[e] x) * (W3[e] x)`` with
         ``e = idx[m]``, ``x = x[m // K_TOP]``; ``W [E, 2F, D]`` rows [:F] gate, [F:] up; fp32 accumulation."""
         m = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -869,6 +870,25 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
 
+def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError for input ids that are not ``[batch, seq]`` integers with seq >= 1 and values in
+    ``[0, vocab_size)``. The range check reads two values back from the device, so it is skipped under torch.compile
+    and during CUDA-graph capture (where an out-of-range id is still caught by the eager steps before)."""
+    if input_ids.dim() != 2:
+        hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if _compiling() or _graph_capturing(input_ids):
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids holds ids in [{lo}, {hi}] but the vocabulary has {vocab_size} entries "
+                         f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
+
+
 def _graph_capturing(t: torch.Tensor) -> bool:
     """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -933,6 +953,11 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         cache, or a static cache that would overflow."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            _check_input_ids(input_ids, self.config.vocab_size)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden] with seq >= 1, "
+                             f"got {tuple(inputs_embeds.shape)}")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         B, T, _ = inputs_embeds.shape
@@ -969,6 +994,15 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         # -- masks ----------------------------------------------------------------------------------------------
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {attention_mask.dim()}-D")
+        if attention_mask is not None and attention_mask.shape[0] != B:
+            raise ValueError(f"attention_mask has batch {attention_mask.shape[0]} but the input has batch {B}")
+        if attention_mask is not None and not static and past == 0 and attention_mask.shape[1] != T:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {T} tokens and no cached "
+                             "tokens: without a filled past_key_values it must be [batch, seq]")
+        if (attention_mask is not None and cache is not None and not static and past > 0
+                and attention_mask.shape[1] not in (T, past + T)):
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns; with {past} cached tokens and {T} "
+                             f"new ones it must have {past + T} (past + new) or {T} (new only)")
         token_mask = None
         if attention_mask is not None:
             if attention_mask.shape[1] < T:

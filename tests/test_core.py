@@ -367,3 +367,40 @@ def test_parity_with_native_kimi_linear(order):
     ga = native.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     gb = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(ga, gb)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad inputs: clear errors (found by a new-user trial: these used to fail deep inside torch or pass silently)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_bad_input_ids_and_masks_raise_clear_errors():
+    m = tiny("tiny-kda-first")
+    V = m.config.vocab_size
+    ids = torch.randint(3, V, (2, 5))
+    cases = [
+        (dict(input_ids=ids[0]), "add the batch dimension"),
+        (dict(input_ids=ids[:, :0]), "no tokens"),
+        (dict(input_ids=ids.float()), "integer token ids"),
+        (dict(input_ids=torch.tensor([[1, 2, V]])), rf"\[1, {V}\] but the vocabulary has {V}"),
+        (dict(input_ids=torch.tensor([[-1, 2]])), "valid ids"),
+        (dict(input_ids=ids, attention_mask=torch.ones(3, 5, dtype=torch.long)), "batch 3 but the input has batch 2"),
+        (dict(input_ids=ids, attention_mask=torch.ones(2, 7, dtype=torch.long)), "7 columns for 5 tokens and no cached tokens"),
+        (dict(inputs_embeds=torch.randn(2, 0, m.config.hidden_size)), "seq >= 1"),
+    ]
+    with torch.no_grad():
+        for kw, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                m(**kw)
+        cache = KimiHybridCache(m.config)
+        m(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="must have 6 \\(past \\+ new\\) or 1"):
+            m(ids[:, :1], attention_mask=torch.ones(2, 4, dtype=torch.long), past_key_values=cache, use_cache=True)
+        # the accepted forms still work: [B, past + T] and [B, T] with a cache
+        m(ids[:, :1], attention_mask=torch.ones(2, 6, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 0), ("num_hidden_layers", -2), ("hidden_size", 0),
+                                         ("vocab_size", 2.5)])
+def test_config_rejects_non_positive_sizes(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+        KimiHybridConfig.from_preset("tiny-kda-first", **{field: value})
