@@ -404,3 +404,30 @@ def test_bad_input_ids_and_masks_raise_clear_errors():
 def test_config_rejects_non_positive_sizes(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
         KimiHybridConfig.from_preset("tiny-kda-first", **{field: value})
+
+
+def test_from_pretrained_refuses_missing_and_unexpected_tensors(tmp_path):
+    """A checkpoint that lacks a tensor (transformers would initialise it randomly) or holds an extra one (it would be
+    dropped) is refused with the names; strict_loading=False restores the lenient load; output_loading_info works."""
+    from safetensors.torch import load_file, save_file
+
+    m = tiny("tiny-kda-first")
+    m.save_pretrained(tmp_path / "ok")
+    loaded, info = KimiHybridForCausalLM.from_pretrained(tmp_path / "ok", output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    ids = torch.randint(3, m.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, m(ids).logits)
+    sd = load_file(tmp_path / "ok" / "model.safetensors")
+    for name, edit in (("missing", lambda d: d.pop("model.layers.0.self_attn.A_log")),
+                       ("unexpected", lambda d: d.__setitem__("model.layers.0.extra.weight", torch.zeros(2)))):
+        folder = tmp_path / name
+        m.save_pretrained(folder)
+        d = dict(sd)
+        edit(d)
+        save_file(d, folder / "model.safetensors", metadata={"format": "pt"})
+        key = "model.layers.0.self_attn.A_log" if name == "missing" else "model.layers.0.extra.weight"
+        with pytest.raises(ValueError, match=rf"{name} .*{key.replace('.', '[.]')}.*kimi-hybrid-convert"):
+            KimiHybridForCausalLM.from_pretrained(folder)
+        lenient = KimiHybridForCausalLM.from_pretrained(folder, strict_loading=False)
+        assert type(lenient) is KimiHybridForCausalLM

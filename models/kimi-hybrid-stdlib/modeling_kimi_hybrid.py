@@ -842,6 +842,40 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
     _is_stateful = False  # the cache can be cropped (assisted decoding), see KimiHybridCache.crop
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
 
+    @classmethod
+    def from_pretrained(cls, *args, strict_loading: bool = True, **kwargs):
+        """``PreTrainedModel.from_pretrained``, strict about the checkpoint's tensors: a checkpoint that lacks
+        tensors of this model (transformers would initialise them randomly) or holds tensors the model does not have
+        (they would be dropped) raises ValueError naming them, instead of loading a silently different model.
+
+        Args:
+            strict_loading: False restores transformers' lenient behaviour (missing tensors randomly initialised,
+                unexpected ones ignored; both are still logged by transformers).
+            *args, **kwargs: as ``PreTrainedModel.from_pretrained`` (``output_loading_info`` included).
+
+        Raises:
+            ValueError: missing or unexpected checkpoint keys (a released-layout or native ``kimi_linear`` checkpoint
+                needs ``kimi-hybrid-convert`` first).
+        """
+        want_info = bool(kwargs.pop("output_loading_info", False))
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if strict_loading:
+            missing = sorted(info.get("missing_keys") or [])
+            # a causal-LM checkpoint loaded into the bare decoder (AutoModel) legitimately leaves its head behind
+            unexpected = sorted(k for k in info.get("unexpected_keys") or []
+                                if not (k.startswith("lm_head.") and not hasattr(model, "lm_head")))
+            if missing or unexpected:
+                def show(keys):
+                    return ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+                parts = ([f"missing {len(missing)} tensor(s) this model needs: {show(missing)}"] if missing else []) + (
+                    [f"{len(unexpected)} unexpected tensor(s): {show(unexpected)}"] if unexpected else [])
+                raise ValueError(
+                    f"checkpoint {args[0] if args else kwargs.get('pretrained_model_name_or_path')!r} does not match "
+                    f"{cls.__name__}: " + "; ".join(parts) + ". A released Kimi-Linear / K3 or native kimi_linear "
+                    "checkpoint needs `kimi-hybrid-convert` first; pass strict_loading=False to load anyway (missing "
+                    "tensors randomly initialised, unexpected ones dropped).")
+        return (model, info) if want_info else model
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
