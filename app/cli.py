@@ -6,7 +6,11 @@ Subcommands:
 * ``chat``: an interactive chat (one user message per line on stdin; ``/reset`` clears the history, ``/exit`` or
   end of input ends it), rendered with the tokenizer's chat template;
 * ``export --out DIR`` / ``push --repo-id NAME``: write a self-contained Hub folder (bundle code, weights,
-  tokenizer, model card) / upload it (see :mod:`kimi_hybrid.app.hub`).
+  tokenizer, model card) / upload it (see :mod:`kimi_hybrid.app.hub`); by default the weights keep the dtype the
+  source checkpoint was saved in (``--dtype stored``).
+
+Option values are checked before anything is loaded; user errors (an out-of-range option, no CUDA for
+``--device cuda``, an invalid config.json) end with a one-line ``kimi-hybrid: ...`` message and exit status 1.
 
 The default model is the embedded one, ``models/kimi-hybrid-stdlib`` next to the sources (a ~14M-parameter 3:1
 KDA:MLA MoE model trained on the CPython standard library: it writes Python-like text, it is not an assistant).
@@ -84,19 +88,74 @@ def resolve_model(model: Optional[str]) -> str:
 
 
 def pick_device(name: str) -> str:
+    """``--device`` value -> a device string. ``auto``: cuda if available, else cpu. Raises SystemExit with a
+    one-line message for a device string torch does not know and for CUDA devices this machine does not have."""
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"kimi-hybrid: unknown --device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("kimi-hybrid: CUDA is not available on this machine; use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise SystemExit(f"kimi-hybrid: --device {name}: this machine has {n} CUDA device(s) "
+                             f"(cuda:0 .. cuda:{n - 1})")
     return name
 
 
-def pick_dtype(name: str, device: str):
-    """``auto``: bf16 on CUDA, fp32 elsewhere (CPU matmuls are fastest and most accurate in fp32)."""
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def stored_dtype(model: str) -> Optional[str]:
+    """The dtype a local checkpoint folder was saved in, as a name (``"bfloat16"``, ...): the ``dtype`` field of its
+    config.json (``torch_dtype`` in older saves), else the floating-point dtype of its safetensors weights (read from the file header: the dtype of most of the bytes). None if unknown (a Hub repo id, no weights, unreadable)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    name = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    if isinstance(name, str) and name != "auto":
+        return name.replace("torch.", "")
+    weights = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    try:
+        if not weights.is_file() and index.is_file():
+            shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+            weights = folder / sorted(set(shards))[0]
+        with open(weights, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    nbytes: Dict[str, int] = {}
+    for key, info in header.items():
+        if key != "__metadata__" and info.get("dtype") in SAFETENSORS_DTYPES:
+            start, end = info["data_offsets"]
+            nbytes[info["dtype"]] = nbytes.get(info["dtype"], 0) + end - start
+    # the dtype of most of the bytes: a few small parameters may be kept in fp32 (A_log, dt_bias, router bias)
+    return SAFETENSORS_DTYPES[max(nbytes, key=nbytes.get)] if nbytes else None
+
+
+def pick_dtype(name: str, device: str, model: Optional[str] = None):
+    """``--dtype`` value -> a torch dtype. ``auto``: bf16 on CUDA, fp32 elsewhere (CPU matmuls are fastest and most
+    accurate in fp32). ``stored`` (the default of export / push): the dtype the checkpoint ``model`` was saved in
+    (see :func:`stored_dtype`); for a Hub repo id it is ``"auto"``, which makes transformers read it the same way."""
     import torch
 
     if name == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name == "stored":
+        found = stored_dtype(model) if model else None
+        if found is None:
+            return "auto"
+        name = found
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16}[name]
@@ -114,6 +173,25 @@ def _read_tokenizer_class(model: str) -> Optional[str]:
     return None
 
 
+def load_config(model: str, trust_remote_code: bool = False):
+    """The model's config (``AutoConfig``). Raises SystemExit with ``invalid model config in <path>: <reason>`` when
+    config.json is not valid JSON or the config class rejects it (its ValueError names the field, e.g.
+    ``layer_types has 5 entries but num_hidden_layers is 8``)."""
+    from transformers import AutoConfig
+
+    cfg_file = Path(model) / "config.json"
+    if cfg_file.is_file():
+        try:
+            json.loads(cfg_file.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise SystemExit(f"kimi-hybrid: invalid model config in {model}: config.json is not valid JSON ({e})") \
+                from None
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise SystemExit(f"kimi-hybrid: invalid model config in {model}: {e}") from None
+
+
 def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: bool = False):
     """Load ``(model, tokenizer)``; the model is put in eval mode on ``device`` in ``dtype``.
 
@@ -126,6 +204,7 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
 
     hf_logging.disable_progress_bar()
 
+    config = load_config(model, trust_remote_code)
     if _read_tokenizer_class(model) == "KimiHybridTokenizer" and not trust_remote_code:
         from importlib import import_module
 
@@ -133,7 +212,7 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
         tokenizer = tok_mod.KimiHybridTokenizer.from_pretrained(model)
     else:
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, trust_remote_code=trust_remote_code)
+    lm = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype, trust_remote_code=trust_remote_code)
     lm.to(device).eval()
     return lm, tokenizer
 
@@ -182,7 +261,7 @@ def format_memory_report(report: Dict[str, Any]) -> str:
 
 def generation_kwargs(args, tokenizer) -> Dict[str, Any]:
     kw: Dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "pad_token_id": tokenizer.pad_token_id}
-    if args.greedy:
+    if args.greedy or args.temperature == 0:  # temperature 0 means greedy decoding
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
         kw.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -313,11 +392,12 @@ def _load(args):
     import torch
 
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    path = resolve_model(args.model)
+    dtype = pick_dtype(args.dtype, device, path)
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
-    print(f"kimi-hybrid: loading {path} on {device} ({str(dtype).replace('torch.', '')})", file=sys.stderr)
+    shown = "stored dtype" if dtype == "auto" else str(dtype).replace("torch.", "")
+    print(f"kimi-hybrid: loading {path} on {device} ({shown})", file=sys.stderr)
     return load_model_and_tokenizer(path, device, dtype, args.trust_remote_code)
 
 
@@ -346,23 +426,34 @@ def cmd_push(args) -> int:
 # argument parsing
 # ---------------------------------------------------------------------------------------------------------------
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), stored (the dtype the checkpoint was saved in), float32, bfloat16, " \
+             "float16"
+
+
+def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None:
     p.add_argument("--model", default=None,
                    help=f"folder or Hub repo id (default: the embedded {EMBEDDED_MODEL_NAME} model)")
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default=dtype_default, help=f"{DTYPE_HELP} (default: %(default)s)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="use the bundle code inside the checkpoint folder instead of the installed package")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (ignores the sampling options)")
+    p.add_argument("--max-new-tokens", type=int, default=200,
+                   help="most tokens to generate, >= 1 (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature, >= 0; 0 means greedy decoding (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="nucleus sampling: keep the smallest set of tokens with this total probability, in (0, 1] "
+                        "(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k most likely tokens, >= 0; 0 disables it (default: %(default)s)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalty on tokens already present, > 0; 1.0 disables it (default: %(default)s)")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding (ignores the sampling options; same as --temperature 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     p.add_argument("--no-memory-report", action="store_true", help="do not print the cache memory table")
@@ -387,20 +478,47 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a self-contained Hub folder (code, weights, tokenizer, card)")
     e.add_argument("--out", required=True)
     e.add_argument("--repo-id", default=None, help="name used in the model card")
-    _model_args(e)
+    _model_args(e, dtype_default="stored")
     e.set_defaults(func=cmd_export)
     u = sub.add_parser("push", help="upload a self-contained Hub folder to the Hugging Face Hub")
     u.add_argument("--repo-id", required=True)
     u.add_argument("--private", action="store_true")
     u.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
     u.add_argument("--commit-message", default="Upload KimiHybrid model")
-    _model_args(u)
+    _model_args(u, dtype_default="stored")
     u.set_defaults(func=cmd_push)
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Reject out-of-range option values up front, before anything is loaded: raises SystemExit with a one-line
+    ``kimi-hybrid: ...`` message (exit status 1) instead of letting torch / transformers fail later with a
+    traceback. Options a subcommand does not have are skipped."""
+
+    def has(name: str) -> bool:
+        return getattr(args, name, None) is not None
+
+    # written as "not (valid)" so that NaN is rejected too
+    if has("max_new_tokens") and not args.max_new_tokens >= 1:
+        raise SystemExit(f"kimi-hybrid: --max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if has("temperature") and not args.temperature >= 0:
+        raise SystemExit(f"kimi-hybrid: --temperature must be >= 0 (0 means greedy decoding; got {args.temperature})")
+    if has("top_p") and not 0 < args.top_p <= 1:
+        raise SystemExit(f"kimi-hybrid: --top-p must be in (0, 1] (got {args.top_p})")
+    if has("top_k") and not args.top_k >= 0:
+        raise SystemExit(f"kimi-hybrid: --top-k must be >= 0 (0 disables it; got {args.top_k})")
+    if has("repetition_penalty") and not args.repetition_penalty > 0:
+        raise SystemExit(f"kimi-hybrid: --repetition-penalty must be > 0 (1.0 disables it; got "
+                         f"{args.repetition_penalty})")
+    if has("threads") and not args.threads >= 0:
+        raise SystemExit(f"kimi-hybrid: --threads must be >= 0 (0 = torch's default; got {args.threads})")
+    if has("max_turns") and not args.max_turns >= 0:
+        raise SystemExit(f"kimi-hybrid: --max-turns must be >= 0 (0 = until end of input; got {args.max_turns})")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

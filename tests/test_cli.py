@@ -197,3 +197,166 @@ def test_export_writes_a_complete_hub_folder(tiny_dir, tmp_path, capsys):
                      "--device", "cpu"]) == 0
     assert hub.missing_files(out) == []
     assert json.loads((out / "config.json").read_text())["auto_map"] == hub.AUTO_MAP
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export keeps the stored dtype
+# ---------------------------------------------------------------------------------------------------------------
+
+def safetensors_dtypes(folder: Path) -> dict:
+    """``{tensor name: torch dtype}`` of ``folder``'s model.safetensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k).dtype for k in f.keys()}
+
+
+@pytest.mark.skipif(not HAS_WEIGHTS, reason="the embedded model's weights are not in this checkout")
+def test_export_keeps_the_stored_dtype(tmp_path, monkeypatch, capsys):
+    """The embedded model is stored in bf16: export on CPU writes bf16 (not the fp32 that ``--dtype auto`` loads on
+    CPU for generation) unless ``--dtype`` says otherwise."""
+    monkeypatch.delenv(cli.ENV_DEFAULT_MODEL, raising=False)
+    assert json.loads((EMBEDDED / "config.json").read_text())["dtype"] == "bfloat16"
+    assert cli.stored_dtype(str(EMBEDDED)) == "bfloat16"
+    assert cli.pick_dtype("stored", "cpu", str(EMBEDDED)) == torch.bfloat16
+
+    out = tmp_path / "bf16"
+    assert cli.main(["export", "--out", str(out), "--device", "cpu"]) == 0
+    assert "(bfloat16)" in capsys.readouterr().err
+    src, exported = safetensors_dtypes(EMBEDDED), safetensors_dtypes(out)
+    # the source keeps a few small parameters in fp32 (A_log, dt_bias, router bias); the export matches it tensor by
+    # tensor, and the large ones (embeddings, projections, experts) are bf16
+    assert exported == src
+    assert exported["model.embed_tokens.weight"] == exported["lm_head.weight"] == torch.bfloat16
+    assert sum(d == torch.bfloat16 for d in exported.values()) > 0.8 * len(exported)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    src_size = (EMBEDDED / "model.safetensors").stat().st_size
+    assert abs((out / "model.safetensors").stat().st_size - src_size) < 0.01 * src_size
+
+    out32 = tmp_path / "fp32"
+    assert cli.main(["export", "--out", str(out32), "--device", "cpu", "--dtype", "float32"]) == 0
+    assert set(safetensors_dtypes(out32).values()) == {torch.float32}
+    assert json.loads((out32 / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_stored_dtype_sources(tiny_dir, tmp_path):
+    """``stored_dtype``: config.json ``dtype``, else ``torch_dtype``, else the safetensors header; None for a Hub id
+    (``pick_dtype`` then hands ``"auto"`` to transformers, which reads it the same way)."""
+    model = KimiHybridForCausalLM.from_pretrained(str(tiny_dir)).to(torch.float16)
+    model.save_pretrained(tmp_path)
+    cfg_path = tmp_path / "config.json"
+    assert cli.stored_dtype(str(tmp_path)) == "float16"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "bfloat16"
+    cfg_path.write_text(json.dumps(cfg))
+    assert cli.stored_dtype(str(tmp_path)) == "bfloat16"
+    cfg.pop("torch_dtype")
+    cfg_path.write_text(json.dumps(cfg))
+    assert cli.stored_dtype(str(tmp_path)) == "float16"  # from the weights
+    if HAS_WEIGHTS:  # bf16 for most bytes, a few fp32 tensors
+        no_dtype = tmp_path / "no-dtype"
+        no_dtype.mkdir()
+        (no_dtype / "config.json").write_text("{}")
+        (no_dtype / "model.safetensors").symlink_to(EMBEDDED / "model.safetensors")
+        assert cli.stored_dtype(str(no_dtype)) == "bfloat16"
+    assert cli.stored_dtype("org/some-repo") is None
+    assert cli.pick_dtype("stored", "cpu", "org/some-repo") == "auto"
+    p = cli.build_parser()
+    assert p.parse_args(["export", "--out", "x"]).dtype == "stored"
+    assert p.parse_args(["push", "--repo-id", "me/x"]).dtype == "stored"
+    assert p.parse_args(["generate"]).dtype == "auto"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# user errors: one line, non-zero exit, no traceback
+# ---------------------------------------------------------------------------------------------------------------
+
+def assert_one_line_error(r, expected: str) -> None:
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kimi-hybrid: ") and expected in last, r.stderr
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--max-new-tokens", "0", "--max-new-tokens must be >= 1 (got 0)"),
+    ("--temperature", "-0.5", "--temperature must be >= 0"),
+    ("--top-p", "0", "--top-p must be in (0, 1] (got 0.0)"),
+    ("--top-p", "1.5", "--top-p must be in (0, 1] (got 1.5)"),
+    ("--top-k", "-1", "--top-k must be >= 0"),
+    ("--repetition-penalty", "0", "--repetition-penalty must be > 0"),
+    ("--threads", "-2", "--threads must be >= 0"),
+])
+def test_bad_option_values_exit_with_a_message(option, value, expected):
+    # checked before any model is loaded: the folder does not even have to exist
+    r = run_cli("generate", "--model", "/nonexistent", "--prompt", "x", option, value, timeout=60)
+    assert_one_line_error(r, expected)
+
+
+def test_check_args_in_process():
+    p = cli.build_parser()
+    cli.check_args(p.parse_args(["generate", "--temperature", "0", "--top-k", "0", "--top-p", "1"]))  # all valid
+    cli.check_args(p.parse_args(["export", "--out", "x"]))  # no sampling options: nothing to check
+    with pytest.raises(SystemExit) as e:
+        cli.check_args(p.parse_args(["chat", "--top-p", "nan"]))
+    assert e.value.code == "kimi-hybrid: --top-p must be in (0, 1] (got nan)"
+    with pytest.raises(SystemExit, match="--max-turns must be >= 0"):
+        cli.check_args(p.parse_args(["chat", "--max-turns", "-1"]))
+
+
+def test_temperature_zero_is_greedy(tiny_dir, capsys):
+    a = cli.build_parser().parse_args(["generate", "--temperature", "0"])
+    kw = cli.generation_kwargs(a, type("T", (), {"pad_token_id": 0})())
+    assert kw["do_sample"] is False and kw["temperature"] is None
+    base = ["generate", "--model", str(tiny_dir), "--prompt", "import os\n", "--max-new-tokens", "6", "--device", "cpu",
+            "--no-memory-report"]
+    assert cli.main(base + ["--greedy"]) == 0
+    greedy = capsys.readouterr().out
+    for seed in ("1", "2"):
+        assert cli.main(base + ["--temperature", "0", "--seed", seed]) == 0
+        assert capsys.readouterr().out == greedy
+
+
+def test_help_shows_sampling_defaults():
+    text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["generate"].format_help().split())
+    for default in ("most tokens to generate, >= 1 (default: 200)", "0 means greedy decoding (default: 0.8)",
+                    "(default: 0.95)", "0 disables it (default: 50)", "1.0 disables it (default: 1.0)"):
+        assert default in text, text
+
+
+def test_device_cuda_without_cuda(tiny_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tiny_dir), "--prompt", "x", "--device", "cuda"])
+    assert e.value.code == "kimi-hybrid: CUDA is not available on this machine; use --device cpu"
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        cli.pick_device("cuda:1")
+    with pytest.raises(SystemExit, match="unknown --device 'gpu'"):
+        cli.pick_device("gpu")
+    assert cli.pick_device("auto") == "cpu" and cli.pick_device("cpu") == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_subprocess(tiny_dir):
+    r = run_cli("generate", "--model", str(tiny_dir), "--prompt", "x", "--device", "cuda", timeout=120)
+    assert_one_line_error(r, "kimi-hybrid: CUDA is not available on this machine; use --device cpu")
+
+
+def test_invalid_config_exits_with_a_message(tiny_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    cfg["layer_types"] = cfg["layer_types"][:n - 1]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = run_cli("generate", "--model", str(bad), "--prompt", "x", "--device", "cpu", timeout=120)
+    assert_one_line_error(
+        r, f"kimi-hybrid: invalid model config in {bad}: layer_types has {n - 1} entries but num_hidden_layers is {n}")
+
+    (bad / "config.json").write_text('{"model_type": "kimi_hybrid",')
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--model", str(bad), "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert str(e.value.code).startswith(f"kimi-hybrid: invalid model config in {bad}: config.json is not valid JSON")
