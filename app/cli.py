@@ -113,7 +113,8 @@ SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F
 
 def stored_dtype(model: str) -> Optional[str]:
     """The dtype a local checkpoint folder was saved in, as a name (``"bfloat16"``, ...): the ``dtype`` field of its
-    config.json (``torch_dtype`` in older saves), else the floating-point dtype of its safetensors weights (read from the file header: the dtype of most of the bytes). None if unknown (a Hub repo id, no weights, unreadable)."""
+    config.json (``torch_dtype`` in older saves), else the floating-point dtype of its safetensors weights (read
+    from the file header: the dtype of most of the bytes). None if unknown (a Hub repo id, no weights, unreadable)."""
     folder = Path(model)
     if not folder.is_dir():
         return None
