@@ -859,7 +859,7 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
         """
         want_info = bool(kwargs.pop("output_loading_info", False))
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        if strict_loading:
+        if strict_loading and not _weights_come_from_rank0():
             missing = sorted(info.get("missing_keys") or [])
             # a causal-LM checkpoint loaded into the bare decoder (AutoModel) legitimately leaves its head behind
             unexpected = sorted(k for k in info.get("unexpected_keys") or []
@@ -902,6 +902,16 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             dt = torch.empty_like(module.dt_bias, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1)).exp()
             dt = dt.clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+def _weights_come_from_rank0() -> bool:
+    """True on the ranks > 0 of an FSDP run with cpu-RAM-efficient loading: they build the model without reading the
+    checkpoint and receive the weights from rank 0 (which does the strict key check for everyone)."""
+    try:
+        from transformers.modeling_utils import is_fsdp_enabled, is_local_dist_rank_0
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
 
 
 def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
