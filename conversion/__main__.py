@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             FileNotFoundError) as e:
         log(f"refused: {e}")
         return 2
+    except KeyboardInterrupt:
+        log("interrupted: nothing was written (the temporary output folder was removed)")
+        return 130
 
 
 if __name__ == "__main__":

@@ -78,8 +78,15 @@ class ConfigError(ValueError):
 
 
 def load_json(path: str) -> dict:
+    """Read a JSON object. Raises ConfigError naming the file when it is not valid JSON or not an object."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _layer_types_from_lists(n_layers: int, lac: dict) -> list[str]:
@@ -318,7 +325,9 @@ def write_json(path: str, obj: dict) -> None:
 
 def packaged_config(name: str) -> str:
     """Path of a config shipped in conversion/configs/ (e.g. 'kimi-linear-48b-a3b-instruct')."""
-    p = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", name if name.endswith(".json") else name + ".json")
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    p = os.path.join(folder, name if name.endswith(".json") else name + ".json")
     if not os.path.exists(p):
-        raise FileNotFoundError(p)
+        known = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json"))
+        raise ConfigError(f"unknown preset {name!r}; the shipped presets are: {', '.join(known)}")
     return p

@@ -108,16 +108,37 @@ def new_hasher(kind: str):
 
 
 def parse_size(s) -> int:
-    """'5GB' / '500MB' / '2GiB' / 12345 -> bytes."""
-    if isinstance(s, int):
-        return s
-    t = str(s).strip().upper()
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for u, m in units.items():
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * m)
-    return int(t)
+    """'5GB' / '500MB' / '2GiB' / 12345 -> bytes (> 0). Raises ConversionError on anything else."""
+    if isinstance(s, int) and not isinstance(s, bool):
+        n = s
+    else:
+        t = str(s).strip().upper()
+        units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6,
+                 "GB": 10**9, "TB": 10**12, "B": 1}
+        mult, num = 1, t
+        for u, m in units.items():
+            if t.endswith(u):
+                mult, num = m, t[: -len(u)]
+                break
+        try:
+            n = int(float(num) * mult)
+        except ValueError:
+            raise ConversionError(f"cannot read the size {s!r}: use a number of bytes or e.g. 5GB, 500MB, 2GiB") \
+                from None
+    if n <= 0:
+        raise ConversionError(f"the size {s!r} must be positive")
+    return n
+
+
+def check_folders(src_dir: str, out_dir: str) -> None:
+    """Refuse an output folder that is the source, lies inside it, or contains it (``--overwrite`` would then
+    delete the source). Symlinks are resolved first."""
+    src, out = os.path.realpath(src_dir), os.path.realpath(out_dir)
+    if out == src or out.startswith(src + os.sep):
+        raise ConversionError("the output folder must not be the source folder or inside it")
+    if src.startswith(out + os.sep):
+        raise ConversionError(f"the output folder {out_dir} contains the source folder {src_dir}: writing it "
+                              "(with --overwrite) would delete the source; choose another output folder")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,8 +165,10 @@ class SourceCheckpoint:
 def open_checkpoint(folder: str) -> SourceCheckpoint:
     """Read config.json, the index (or a single model.safetensors) and every shard header; validate them."""
     cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise ConversionError(f"the source folder {folder} does not exist")
     if not os.path.isfile(cfg_path):
-        raise ConversionError(f"{folder}: no config.json")
+        raise ConversionError(f"{folder}: no config.json (is this a checkpoint folder?)")
     config = config_io.load_json(cfg_path)
     idx_path = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(idx_path):
@@ -325,9 +348,10 @@ def convert_checkpoint(
     """
     t0 = time.perf_counter()
     src_dir = os.path.abspath(src_dir)
-    out_abs = os.path.abspath(out_dir)
-    if out_abs == src_dir or out_abs.startswith(src_dir + os.sep):
-        raise ConversionError("the output folder must not be the source folder or inside it")
+    check_folders(src_dir, out_dir)
+    if chunk_bytes <= 0:
+        raise ConversionError(f"the streaming chunk must be positive (got {chunk_bytes} bytes; --chunk-mb >= 1)")
+    max_shard_bytes = parse_size(max_shard_size)
     src = open_checkpoint(src_dir)
     fmt = config_io.detect_format(src.config) if src_format == "auto" else src_format
     if dst_format is None:
@@ -336,6 +360,13 @@ def convert_checkpoint(
         ours_cfg = config_io.to_ours(src.config, fmt)
     except config_io.ConfigError as e:
         raise ConversionError(f"{src_dir}/config.json: {e}") from None
+    if dst_format == "ours":  # the model's own validation, before any tensor is read or written
+        from .model_glue import to_model_config
+
+        try:
+            to_model_config(ours_cfg)
+        except ValueError as e:
+            raise ConversionError(f"{src_dir}/config.json: the model rejects this config: {e}") from None
     variant = detect_variant(fmt, src.where)
     plan = plan_for(ours_cfg, fmt, dst_format, variant)
     check_coverage(plan)
@@ -359,7 +390,7 @@ def convert_checkpoint(
         return (shard_pos[s], info.begin)
 
     last_src = {k: max(src_pos(s) for pc in d.pieces for s in pc.srcs) for k, d in plan.dests.items()}
-    layout = plan_output_shards(bound, lambda k: (last_src[k], k), parse_size(max_shard_size))
+    layout = plan_output_shards(bound, lambda k: (last_src[k], k), max_shard_bytes)
     dst_file = {k: f for f, ks in layout.items() for k in ks}
 
     # which (destination, piece) each source feeds
@@ -559,6 +590,6 @@ def convert_checkpoint(
         with open(os.path.join(tmp, REPORT_NAME), "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1)
             fh.write("\n")
-    log(f"wrote {out_abs}: {len(dst_report)} tensors, {total_size / 1e9:.3f} GB in {len(layout)} shard(s), "
+    log(f"wrote {os.path.abspath(out_dir)}: {len(dst_report)} tensors, {total_size / 1e9:.3f} GB in {len(layout)} shard(s), "
         f"{elapsed:.1f} s ({read_bytes_total / 1e9 / max(elapsed, 1e-9):.2f} GB/s)")
     return report

@@ -1159,7 +1159,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     ``logits_to_keep`` (int: last N positions, 0 = all; or a 1-D index tensor). Generation uses
     :class:`KimiHybridCache` for every strategy (greedy, sampling, beam search, assisted / prompt lookup, static)."""
 
-    _tied_weights_keys: dict = {}
+    # tied only when config.tie_word_embeddings (False in the released checkpoints): transformers reads this map
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)

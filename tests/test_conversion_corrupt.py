@@ -166,3 +166,52 @@ def test_tensor_in_two_shards(tmp_path):
     with pytest.raises(ConversionError, match="stored in both"):
         _convert(tmp_path)
     _assert_nothing_written(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# argument and folder mistakes (found by a new-user trial): refused up front, the source untouched
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_output_folder_containing_the_source_is_refused_even_with_overwrite(tmp_path):
+    from conversion.__main__ import main
+
+    _ckpt(tmp_path)
+    before = sorted(os.listdir(tmp_path / "src"))
+    assert main([str(tmp_path / "src"), str(tmp_path), "--overwrite", "--no-progress"]) == 2
+    assert sorted(os.listdir(tmp_path / "src")) == before  # the source survived
+    with pytest.raises(ConversionError, match="contains the source folder"):
+        convert_checkpoint(str(tmp_path / "src"), str(tmp_path), overwrite=True, progress=False)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--max-shard-size", "abc"], "cannot read the size 'abc'"),
+    (["--max-shard-size", "0"], "must be positive"),
+    (["--chunk-mb", "0"], "--chunk-mb >= 1"),
+])
+def test_bad_cli_values_are_refused_before_reading(tmp_path, capsys, argv, msg):
+    from conversion.__main__ import main
+
+    _ckpt(tmp_path)
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress", *argv]) == 2
+    assert msg in capsys.readouterr().err
+    _assert_nothing_written(tmp_path)
+
+
+def test_config_problems_are_refused_before_any_tensor_is_written(tmp_path, capsys):
+    from conversion.__main__ import main
+
+    _ckpt(tmp_path)
+    cfg_path = tmp_path / "src" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg_path.write_text("{")
+    assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "config.json is not valid JSON" in capsys.readouterr().err
+    # a config the model itself rejects (MLA shares one latent: kv heads must equal heads)
+    cfg_path.write_text(json.dumps(dict(cfg, num_key_value_heads=cfg["num_attention_heads"] // 2)))
+    with pytest.raises(ConversionError, match="the model rejects this config.*num_key_value_heads"):
+        _convert(tmp_path)
+    _assert_nothing_written(tmp_path)
+    assert main([str(tmp_path / "missing"), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["inventory", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'; the shipped presets are: kimi-linear-48b-a3b" in capsys.readouterr().err

@@ -181,3 +181,23 @@ def test_cli_convert_and_export(tmp_path):
     assert cli_main([str(tmp_path / "rel"), str(tmp_path / "ours"), "--no-progress"]) == 2
     assert cli_main([str(tmp_path / "rel"), str(tmp_path / "ours"), "--no-progress", "--overwrite"]) == 0
     assert sorted(p for p in os.listdir(tmp_path)) == ["back", "ours", "rel"]
+
+
+def test_tied_embeddings_convert_and_load_tied(tmp_path):
+    """tie_word_embeddings=True: the released checkpoint has no lm_head; the converted folder loads with lm_head tied
+    to the embedding (same storage), strict loading finds nothing missing, and the logits use the embedding."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_released_config(tie_word_embeddings=True)
+    t = released_tensors(cfg, seed=3)
+    t.pop("lm_head.weight", None)
+    write_checkpoint(str(tmp_path / "src"), cfg, t, 2)
+    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "ours"), progress=False)
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    assert m.config.tie_word_embeddings
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(m.model.embed_tokens.weight, t["model.embed_tokens.weight"].float())
+    ids = torch.randint(3, cfg["vocab_size"], (1, 7))
+    with torch.no_grad():
+        h = m.model(ids).last_hidden_state
+        assert torch.allclose(m(ids).logits, h @ t["model.embed_tokens.weight"].float().T, atol=1e-5)

@@ -431,3 +431,21 @@ def test_from_pretrained_refuses_missing_and_unexpected_tensors(tmp_path):
             KimiHybridForCausalLM.from_pretrained(folder)
         lenient = KimiHybridForCausalLM.from_pretrained(folder, strict_loading=False)
         assert type(lenient) is KimiHybridForCausalLM
+
+
+def test_tie_word_embeddings_ties_and_round_trips(tmp_path):
+    """tie_word_embeddings=True (not the released setting) shares one tensor between lm_head and the embedding, saves
+    it once, and reloads tied with the same logits; False keeps two tensors."""
+    from safetensors import safe_open
+
+    for tie in (True, False):
+        m = tiny("tiny-kda-first", tie_word_embeddings=tie)
+        assert (m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()) == tie
+        m.save_pretrained(tmp_path / str(tie))
+        with safe_open(str(tmp_path / str(tie) / "model.safetensors"), "pt") as f:
+            assert ("lm_head.weight" in f.keys()) == (not tie)
+        back = KimiHybridForCausalLM.from_pretrained(tmp_path / str(tie))
+        assert (back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()) == tie
+        ids = torch.randint(3, m.config.vocab_size, (1, 6))
+        with torch.no_grad():
+            assert torch.equal(back(ids).logits, m(ids).logits)
