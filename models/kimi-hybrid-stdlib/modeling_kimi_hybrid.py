@@ -922,7 +922,8 @@ def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
     if input_ids.shape[1] == 0:
-        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row")
+        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
+                         "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     if _compiling() or _graph_capturing(input_ids):
