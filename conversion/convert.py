@@ -185,6 +185,12 @@ def open_checkpoint(folder: str) -> SourceCheckpoint:
     missing_files = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
     if missing_files:
         raise ConversionError(f"{folder}: shard files listed in the index are missing: {missing_files}")
+    unlisted = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors") and f not in shards)
+    if unlisted:
+        # not read: a leftover or a file of another checkpoint; said out loud, since its tensors are not converted
+        log(f"warning: {len(unlisted)} .safetensors file(s) in {folder} are not part of this checkpoint "
+            f"({'not in ' + INDEX_NAME if wm is not None else 'only model.safetensors is read'}) and are ignored: "
+            + ", ".join(unlisted))
     headers: dict[str, FileHeader] = {}
     where: dict[str, tuple[str, TensorInfo]] = {}
     errors: list[str] = []
@@ -221,6 +227,29 @@ def open_checkpoint(folder: str) -> SourceCheckpoint:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _remove_stale_temporaries(out: str) -> None:
+    """Delete ``<out>.tmp-<pid>`` / ``<out>.old-<pid>`` folders left by a conversion that was killed (SIGKILL, power
+    loss: no cleanup ran) whose process no longer exists. They never look complete (no config.json is moved into
+    ``out`` until the end), but they hold disk space."""
+    parent, base = os.path.dirname(out), os.path.basename(out)
+    for name in os.listdir(parent):
+        for tag in (".tmp-", ".old-"):
+            if not name.startswith(base + tag):
+                continue
+            pid = name[len(base + tag):]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue  # that conversion is still running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # a live process of another user
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            log(f"removed {os.path.join(parent, name)}, left by an interrupted conversion (process {pid} is gone)")
+
+
 @contextmanager
 def atomic_output(out: str, overwrite: bool):
     out = os.path.abspath(out)
@@ -229,6 +258,7 @@ def atomic_output(out: str, overwrite: bool):
             raise ConversionError(f"output {out} exists and is not empty (pass --overwrite to replace it)")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
+    _remove_stale_temporaries(out)
     tmp = f"{out}.tmp-{os.getpid()}"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)

@@ -215,3 +215,19 @@ def test_config_problems_are_refused_before_any_tensor_is_written(tmp_path, caps
     assert "does not exist" in capsys.readouterr().err
     assert main(["inventory", "--preset", "nope"]) == 2
     assert "unknown preset 'nope'; the shipped presets are: kimi-linear-48b-a3b" in capsys.readouterr().err
+
+
+def test_stale_temporaries_removed_and_unlisted_shards_reported(tmp_path, capsys):
+    """A killed conversion's `<out>.tmp-<pid>` (process gone) is removed by the next run; a .safetensors file that is
+    not part of the checkpoint is named in a warning (its tensors are not converted)."""
+    _ckpt(tmp_path)
+    save_file({"stray": torch.zeros(2)}, str(tmp_path / "src" / "leftover.safetensors"))
+    dead = 2 ** 22 + 12345  # above the default pid_max: no such process
+    (tmp_path / f"out.tmp-{dead}").mkdir()
+    (tmp_path / f"out.tmp-{dead}" / "model-00001.safetensors").write_bytes(b"partial")
+    _convert(tmp_path)
+    err = capsys.readouterr().err
+    assert not (tmp_path / f"out.tmp-{dead}").exists()
+    assert f"process {dead} is gone" in err
+    assert "leftover.safetensors" in err and "ignored" in err
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
