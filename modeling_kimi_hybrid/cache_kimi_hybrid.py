@@ -286,7 +286,7 @@ class KimiHybridCache(Cache):
     def seen_tokens(self) -> int:
         """Tokens seen so far. Static mode: read from the device counter ``_pos`` (the model never reads it inside
         a forward in static mode, so a compiled decode step has no Python int that changes every step)."""
-        if self._pos is not None:
+        if self._pos is not None and not self._pos.is_meta:  # (a meta cache, for memory planning, has no values)
             return int(self._pos)
         return self._seen
 

@@ -481,7 +481,10 @@ class KimiDeltaAttention(nn.Module):
 
     def conv_weight(self) -> torch.Tensor:
         """The three depthwise kernels fused: ``[3P, W]`` (q | k | v channels)."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+        why = "the causal short conv runs as one fused kernel over q | k | v"
+        return torch.cat([direct_weight(m, n, why) for m, n in ((self.q_conv1d, "q_conv1d"),
+                                                                 (self.k_conv1d, "k_conv1d"),
+                                                                 (self.v_conv1d, "v_conv1d"))], 0).squeeze(1)
 
     # the conv kernels are read directly (conv_weight), never through the conv modules: fire their accelerate hooks
     # so CPU / disk offload (device_map) materialises them
@@ -818,14 +821,17 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
         eps = self.config.rms_norm_eps
         p = hidden_states
         bank = list(bank)
-        x_attn = (attn_res_mix(p, bank, self.self_attention_res_proj.weight, self.self_attention_res_norm.weight, eps)
-                  if bank else p)
+        x_attn = p
+        if bank:
+            w_attn = direct_weight(self.self_attention_res_proj, "self_attention_res_proj", _ATTN_RES_WHY)
+            x_attn = attn_res_mix(p, bank, w_attn, self.self_attention_res_norm.weight, eps)
         if self.layer_idx % self.config.attn_res_block_size == 0:
             bank.append(p)
             p = None
         a = self._attn(self.input_layernorm(x_attn), cache, ctx)
         p = a if p is None else p + a
-        x_mlp = attn_res_mix(p, bank, self.mlp_res_proj.weight, self.mlp_res_norm.weight, eps)
+        x_mlp = attn_res_mix(p, bank, direct_weight(self.mlp_res_proj, "mlp_res_proj", _ATTN_RES_WHY),
+                             self.mlp_res_norm.weight, eps)
         return p + self.mlp(self.post_attention_layernorm(x_mlp)), bank
 
 
@@ -912,6 +918,22 @@ def _weights_come_from_rank0() -> bool:
     except ImportError:  # pragma: no cover - older transformers
         return False
     return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
+
+
+_ATTN_RES_WHY = "AttnRes scores are one fused fp32 product with the projection's [1, D] weight"
+
+
+def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
+    """``module.weight`` for code that reads a weight directly instead of calling the module (fused kernels).
+    Raises ValueError when the module is wrapped by a PEFT tuner layer (LoRA, ...): its extra path would be silently
+    skipped. A ``modules_to_save`` wrapper is fine (its ``weight`` is the trained copy)."""
+    if type(module).__module__.startswith("peft.tuners"):
+        raise ValueError(
+            f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
+            f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
+            "(kimi_hybrid.app.lora.recommended_lora_config does; with target_modules='all-linear' add "
+            f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
+    return module.weight
 
 
 def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
@@ -1112,7 +1134,8 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
                 all_hidden.append(h)
             h, bank = layer(h, cache, ctx, *(bank or ()))
         if self.config.attn_res_block_size > 0:
-            h = attn_res_mix(h, bank, self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
+            h = attn_res_mix(h, bank, direct_weight(self.output_attn_res_proj, "output_attn_res_proj", _ATTN_RES_WHY),
+                             self.output_attn_res_norm.weight,
                              self.config.rms_norm_eps)
         h = self.norm(h)
         if token_mask is not None:

@@ -449,3 +449,11 @@ def test_tie_word_embeddings_ties_and_round_trips(tmp_path):
         ids = torch.randint(3, m.config.vocab_size, (1, 6))
         with torch.no_grad():
             assert torch.equal(back(ids).logits, m(ids).logits)
+
+
+def test_meta_static_cache_memory_report_for_planning():
+    """A static cache on the meta device (no memory) reports the bytes of the 48B shape: 43,417,600 B of KDA state
+    + 8,064 B per position of MLA latent."""
+    cfg = KimiHybridConfig.from_preset("kimi-linear-48b-a3b")
+    rep = KimiHybridCache(cfg, max_cache_len=4096, batch_size=1, dtype=torch.bfloat16, device="meta").memory_report()
+    assert rep["kda_bytes"] == 43_417_600 and rep["mla_bytes"] == 8_064 * 4096

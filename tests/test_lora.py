@@ -121,10 +121,17 @@ def test_conv_target_is_refused_or_bypassed():
         want = m(input_ids=x).logits
     with pytest.warns(UserWarning, match="groups > 1"):
         pm = get_peft_model(m, LoraConfig(r=groups, target_modules=["q_conv1d"], init_lora_weights=False))
-    with torch.no_grad():
-        assert torch.equal(pm(input_ids=x).logits, want)
+    with torch.no_grad(), pytest.raises(ValueError, match="q_conv1d is wrapped by a PEFT adapter.*modules_to_save"):
+        pm(input_ids=x)  # the forward refuses: the fused conv would skip the adapter
     with pytest.raises(ValueError, match="must not wrap"):
         check_lora_targets(pm)
+    # the documented way to train the conv: modules_to_save (a trained full copy, read through the wrapper)
+    pm = get_peft_model(tiny(), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["q_conv1d"]))
+    with torch.no_grad():
+        for mod in pm.modules():
+            if type(mod).__name__ == "ModulesToSaveWrapper":
+                next(iter(mod.modules_to_save.values())).weight.mul_(2)
+        assert not torch.equal(pm(input_ids=x).logits, want)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -603,7 +610,13 @@ def test_attn_res_projection_would_be_bypassed():
         want = m(input_ids=x).logits
     pm = get_peft_model(m, LoraConfig(r=2, target_modules=["self_attention_res_proj", "mlp_res_proj"],
                                       init_lora_weights=False))
-    with torch.no_grad():
-        assert torch.equal(pm(input_ids=x).logits, want)
+    with torch.no_grad(), pytest.raises(ValueError, match="res_proj is wrapped by a PEFT adapter"):
+        pm(input_ids=x)  # refused at the forward instead of silently skipping the adapter
     with pytest.raises(ValueError, match="must not wrap"):
         check_lora_targets(pm)
+    # "all-linear" (PEFT / TRL's common default) would wrap them too: exclude_modules is the way out
+    pm = get_peft_model(tiny("tiny-k3"), LoraConfig(r=2, target_modules="all-linear",
+                                                    exclude_modules=["self_attention_res_proj", "mlp_res_proj",
+                                                                     "output_attn_res_proj"]))
+    with torch.no_grad():
+        assert pm(input_ids=x).logits.shape == want.shape
