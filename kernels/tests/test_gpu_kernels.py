@@ -340,3 +340,22 @@ def test_cuda_graph_decode_equals_eager(dtype, tol, compile):
     tol_graph = 3e-2 if (compile and dtype == torch.bfloat16) else tol
     assert rel(torch.stack(graph, 1), torch.stack(eager, 1)) < tol_graph
     assert rel(torch.stack(graph, 1), full) < max(tol, 2e-3 if dtype == torch.float32 else 3e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generate_static_cache_on_cuda_equals_dynamic(dtype):
+    """transformers auto-compiles the decode step of ``generate`` on CUDA when the cache is static
+    (``cache_implementation="static"``): greedy tokens must equal those of the dynamic cache (fp32: identical; bf16:
+    the first 6 of 8 new tokens, allowing a late near-tie flip from the compiled step's rounding)."""
+    torch._dynamo.reset()
+    cfg, m = _tiny("tiny-kda-first")
+    m = m.to("cuda", dtype)
+    x = torch.randint(3, cfg.vocab_size, (2, 12), device="cuda")
+    with torch.no_grad():
+        dyn = m.generate(input_ids=x, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        sta = m.generate(input_ids=x, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         cache_implementation="static")
+    n = 8 if dtype == torch.float32 else 6
+    assert torch.equal(sta[:, : 12 + n], dyn[:, : 12 + n])
+    torch._dynamo.reset()
