@@ -22,9 +22,10 @@ save_cache() { (cd .triton_cache && find triton -name "*.autotune.json" | tar cz
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   el "GPU tests"
-  python3 -m pytest kernels/tests tests/test_lora.py -m gpu -v -p no:cacheprovider --timeout 300 -rfE \
-    --durations=10 > "$OUT/gpu-tests.log" 2>&1
-  el "GPU tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -20
+  python3 -m pytest kernels/tests -v -p no:cacheprovider --timeout 300 -rfE --durations=10 > "$OUT/gpu-tests.log" 2>&1
+  el "kernel tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -20
+  python3 -m pytest tests/test_lora.py -m gpu -v -p no:cacheprovider --timeout 300 -rfE > "$OUT/lora-gpu-tests.log" 2>&1
+  el "LoRA GPU tests rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$OUT/lora-gpu-tests.log" | tail -8
   save_cache
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
