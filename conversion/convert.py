@@ -250,6 +250,33 @@ def _remove_stale_temporaries(out: str) -> None:
             log(f"removed {os.path.join(parent, name)}, left by an interrupted conversion (process {pid} is gone)")
 
 
+# float dtype -> (integer view, exponent mask): a value is NaN or inf exactly when all its exponent bits are set
+_EXPONENT_BITS = {"BF16": (torch.int16, 0x7F80), "F16": (torch.int16, 0x7C00), "F32": (torch.int32, 0x7F800000),
+                  "F64": (torch.int64, 0x7FF0000000000000)}
+_SCAN_ELEMS = 1 << 22  # integer work in slices: temporaries stay a few MB whatever the chunk size
+
+
+def _count_nonfinite(buf, dtype: str) -> int:
+    """Number of NaN / inf values in raw little-endian bytes of a float dtype (0 for other dtypes). Integer bit tests
+    on a zero-copy view (no float upcast), in slices of 4M elements."""
+    if dtype not in _EXPONENT_BITS or len(buf) == 0:
+        return 0
+    idt, mask = _EXPONENT_BITS[dtype]
+    v = torch.frombuffer(buf, dtype=idt, count=len(buf) // itemsize(dtype))
+    n = 0
+    for i in range(0, v.numel(), _SCAN_ELEMS):
+        n += int(((v[i:i + _SCAN_ELEMS] & mask) == mask).sum())
+    return n
+
+
+def _hash_and_scan(hasher, buf, dtype: str, counts: dict, key: str) -> None:
+    """Worker-thread step of the streaming copy: checksum a chunk and count its non-finite values."""
+    hasher.update(buf)
+    n = _count_nonfinite(buf, dtype)
+    if n:
+        counts[key] = counts.get(key, 0) + n
+
+
 @contextmanager
 def atomic_output(out: str, overwrite: bool):
     out = os.path.abspath(out)
@@ -431,6 +458,7 @@ def convert_checkpoint(
                 uses[s].append((dk, pc))
 
     src_hash: dict[str, str | None] = {}
+    nonfinite: dict[str, int] = {}  # source tensor -> NaN / inf count (copied as they are, but reported)
     peak_buffer = 0
     read_bytes_total = 0
     with atomic_output(out_dir, overwrite) as tmp, ThreadPoolExecutor(max_workers=1) as pool:
@@ -471,7 +499,8 @@ def convert_checkpoint(
                                 if pending[slot] is not None:
                                     pending[slot].result()
                                 buf = read_bytes(fh, info.begin + cb, ce - cb, scratch[slot])
-                                pending[slot] = pool.submit(hasher.update, buf)
+                                pending[slot] = pool.submit(_hash_and_scan, hasher, buf, info.dtype, nonfinite,
+                                                            info.name)
                                 slot ^= 1
                                 for dk, pc in my_uses:
                                     pb, pe = pc.src_el * isz, (pc.src_el + pc.numel) * isz
@@ -489,7 +518,7 @@ def convert_checkpoint(
                             src_hash[ckey] = hasher.hexdigest()
                             continue
                         raw = read_bytes(fh, info.begin, info.nbytes)
-                        hasher.update(raw)
+                        _hash_and_scan(hasher, raw, info.dtype, nonfinite, info.name)
                         src_hash[ckey] = hasher.hexdigest()
                         loaded[ckey] = bytes_to_tensor(raw, info.dtype, info.shape)
                         loaded_bytes += info.nbytes
@@ -609,6 +638,7 @@ def convert_checkpoint(
                 "every_destination_byte_written_once": True,
                 "output_headers_match_plan": True,
             },
+            "nonfinite_values": dict(sorted(nonfinite.items())),
             "dequant_dtype": dequant_dtype if any(d.dtype_rule == "dequant" for d in plan.dests.values()) else None,
             "files_written": sorted(extra + side),
             "peak_buffer_bytes": peak_buffer,
@@ -620,6 +650,10 @@ def convert_checkpoint(
         with open(os.path.join(tmp, REPORT_NAME), "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1)
             fh.write("\n")
+    if nonfinite:
+        named = ", ".join(f"{k} ({v})" for k, v in sorted(nonfinite.items())[:8])
+        log(f"warning: {len(nonfinite)} source tensor(s) hold NaN / inf values (copied as they are; counts in "
+            f"{REPORT_NAME} under nonfinite_values): {named}")
     log(f"wrote {os.path.abspath(out_dir)}: {len(dst_report)} tensors, {total_size / 1e9:.3f} GB in {len(layout)} shard(s), "
         f"{elapsed:.1f} s ({read_bytes_total / 1e9 / max(elapsed, 1e-9):.2f} GB/s)")
     return report

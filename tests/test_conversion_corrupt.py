@@ -231,3 +231,21 @@ def test_stale_temporaries_removed_and_unlisted_shards_reported(tmp_path, capsys
     assert f"process {dead} is gone" in err
     assert "leftover.safetensors" in err and "ignored" in err
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+def test_nonfinite_source_values_are_reported(tmp_path, capsys):
+    """NaN / inf in the source are copied faithfully but never silently: a warning names the tensors and the report
+    counts them (streamed and buffered sources alike)."""
+    def mutate(t):
+        t["model.embed_tokens.weight"][0, :3] = float("nan")
+        t["model.layers.0.self_attn.A_log"].view(-1)[0] = float("inf")
+
+    _ckpt(tmp_path, mutate)
+    rep = _convert(tmp_path)
+    assert rep["nonfinite_values"] == {"model.embed_tokens.weight": 3, "model.layers.0.self_attn.A_log": 1}
+    err = capsys.readouterr().err
+    assert "hold NaN / inf values" in err and "model.embed_tokens.weight (3)" in err
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    _, _, _ = _ckpt(clean)
+    assert convert_checkpoint(str(clean / "src"), str(clean / "out"), progress=False)["nonfinite_values"] == {}
