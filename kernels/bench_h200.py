@@ -428,29 +428,21 @@ def main():
         t_cap, dec = timed(lambda: GraphDecoder(ours, st))
         # correctness: graph step == eager step from the same state
         snap = st.snapshot()
-        seen = st.seen_tokens
         with torch.no_grad():
             ref = ours(first, past_key_values=st, use_cache=True).logits[:, -1].float()
         st.restore(snap)
-        st.seen_tokens = seen
         got = dec.step(first).float()
         err = ((got - ref).norm() / ref.norm()).item()
         st.restore(snap)
-        st.seen_tokens = seen
-        del snap
-        snap = st.snapshot()
         pipelined, synced = graph_decode_time(dec, first)
         del dec
         comp = {}
         if args.compile_decode:  # the same step through torch.compile, then captured; from the same state
             st.restore(snap)
-            st.seen_tokens = seen
             t_comp, cdec = timed(lambda: GraphDecoder(ours, st, compile=True))
             st.restore(snap)
-            st.seen_tokens = seen
             got_c = cdec.step(first).float()
             st.restore(snap)
-            st.seen_tokens = seen
             c_pipe, c_sync = graph_decode_time(cdec, first)
             comp = {"compiled_graph_ms_per_step": round(c_pipe * 1e3, 4),
                     "compiled_graph_ms_per_step_synced": round(c_sync * 1e3, 4),
@@ -458,7 +450,6 @@ def main():
                     "compiled_vs_eager_rel_err": ((got_c - ref).norm() / ref.norm()).item()}
             del cdec
         st.restore(snap)
-        st.seen_tokens = seen
         del snap
         per_layer = per_layer_decode(ours, st, B) if B == 1 else None
         torch.cuda.reset_peak_memory_stats()

@@ -120,9 +120,8 @@ class GraphDecoder:
             for _ in range(max(warmup, 2 if compile else 1)):
                 fn(self.ids)
         torch.cuda.current_stream(dev).wait_stream(s)
-        cache.restore(snap)  # in place: same buffers, the state before the warm-up
+        cache.restore(snap)  # in place: same buffers and the position counter, the state before the warm-up
         del snap
-        cache.seen_tokens = seen
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
             self.logits = fn(self.ids)

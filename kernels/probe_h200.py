@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.bench_h200 import build_ours_only, ours_prefill, versions  # noqa: E402
+from kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions  # noqa: E402
 from kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
 
 
@@ -107,12 +107,10 @@ def probe_decode(layers, ctx, compile_too, R, save):
     del dyn
     first = last.argmax(-1, keepdim=True)
     snap = st.snapshot()
-    seen = st.seen_tokens
     res = R.setdefault("decode", {"layers": layers, "context": ctx})
 
     def reset():
         st.restore(snap)
-        st.seen_tokens = seen
 
     def census(tag):
         for _ in range(3):
@@ -136,22 +134,11 @@ def probe_decode(layers, ctx, compile_too, R, save):
         print(tag, n_k, "kernels,", round(t_k, 1), "us of kernel time", flush=True)
         save()
 
-    def replay_ms(dec, n=64):
-        nxt = first
-        for _ in range(4):
-            nxt = dec.step(nxt).argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            nxt = dec.step(nxt).argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n * 1e3
-
     def graph(tag, **kw):
         t = time.perf_counter()
         dec = GraphDecoder(model, st, **kw)
         res[tag + "_build_s"] = round(time.perf_counter() - t, 1)
-        res[tag + "_ms"] = round(replay_ms(dec), 4)
+        res[tag + "_ms"] = round(graph_decode_time(dec, first, steps=64)[0] * 1e3, 4)
         del dec
         reset()
         print(tag, res[tag + "_ms"], "ms/step", flush=True)

@@ -208,7 +208,8 @@ class KimiExperts(nn.Module):
 
 MOE_GEMV_MAX_PAIRS = 32  # token-expert pairs; above this the grouped GEMM reads each hit expert once instead
 
-try:
+# (a try block, not `if`: transformers' remote-code loader requires every import outside try blocks to be installed)
+try:  # triton ships with CUDA builds of torch; without it the grouped / looped paths serve every device
     import triton
     import triton.language as tl
 
@@ -263,7 +264,7 @@ try:
         tl.store(y_ptr + m * D + rows, acc * wt, mask=rmask)
 
     _MOE_TRITON = True
-except Exception:  # noqa: BLE001 - CPU-only torch: the grouped / looped paths serve every device
+except Exception:  # noqa: BLE001
     _MOE_TRITON = False
 
 _MOE_TRITON_ENABLED = os.environ.get("KIMI_HYBRID_DISABLE_MOE_GEMV", "0") != "1"
@@ -956,6 +957,24 @@ def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
                          f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
 
 
+def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static: bool) -> None:
+    """Raise ValueError unless ``mask`` is 2-D ``[B, cols]`` with cols = T without cached tokens, T or past + T with
+    ``past`` cached tokens (dynamic cache), and at least T in static mode (whose length is not read on the host)."""
+    if mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {mask.dim()}-D")
+    cols = mask.shape[1]
+    if mask.shape[0] != B:
+        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the input has batch {B}")
+    if not static and past == 0 and cols != T:
+        raise ValueError(f"attention_mask has {cols} columns for {T} tokens and no cached tokens: without a filled "
+                         "past_key_values it must be [batch, seq]")
+    if not static and past > 0 and cols not in (T, past + T):
+        raise ValueError(f"attention_mask has {cols} columns; with {past} cached tokens and {T} new ones it must "
+                         f"have {past + T} (past + new) or {T} (new only)")
+    if cols < T:
+        raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
+
+
 def _graph_capturing(t: torch.Tensor) -> bool:
     """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -1050,7 +1069,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
                 raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
             # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
             # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
-            if (static and not torch.compiler.is_compiling() and not _graph_capturing(inputs_embeds)
+            if (static and not _compiling() and not _graph_capturing(inputs_embeds)
                     and cache.seen_tokens + T > cache.max_cache_len):
                 raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
                                  f"tokens and cannot take {T} more")
@@ -1059,21 +1078,9 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         past = 0 if cache is None or static else cache.seen_tokens
 
         # -- masks ----------------------------------------------------------------------------------------------
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {attention_mask.dim()}-D")
-        if attention_mask is not None and attention_mask.shape[0] != B:
-            raise ValueError(f"attention_mask has batch {attention_mask.shape[0]} but the input has batch {B}")
-        if attention_mask is not None and not static and past == 0 and attention_mask.shape[1] != T:
-            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {T} tokens and no cached "
-                             "tokens: without a filled past_key_values it must be [batch, seq]")
-        if (attention_mask is not None and cache is not None and not static and past > 0
-                and attention_mask.shape[1] not in (T, past + T)):
-            raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns; with {past} cached tokens and {T} "
-                             f"new ones it must have {past + T} (past + new) or {T} (new only)")
         token_mask = None
         if attention_mask is not None:
-            if attention_mask.shape[1] < T:
-                raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns, fewer than the {T} tokens")
+            _check_attention_mask(attention_mask, B, T, past, static)
             token_mask = attention_mask[:, -T:].bool()
             if attention_mask.shape[1] == past + T and cache is not None and cache.key_mask is not None \
                     and not cache.static and past > 0:
