@@ -128,6 +128,19 @@ def run_child(src, out, fmt, dst, checksum):
     return res
 
 
+def _git_commit() -> str:
+    """HEAD of the checkout this script runs from ("+dirty" with uncommitted changes), or "unknown"."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=4.0)
@@ -147,7 +160,7 @@ def main(argv=None) -> int:
         res = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
                            "torch": torch.__version__, "cpus": os.cpu_count(),
                            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-               "checksum": args.checksum, "synthetic": synth}
+               "commit": _git_commit(), "checksum": args.checksum, "synthetic": synth}
         kinds = args.checksum.split(",")
         for kind in kinds[::-1]:  # the first one last, so its output folder is the one exported
             shutil.rmtree(os.path.join(work, "ours"), ignore_errors=True)
