@@ -32,6 +32,7 @@ from kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
 
 
 def cuda_time(fn, reps):
+    """Median seconds of ``fn()`` over ``reps`` calls (CUDA events), after one untimed call."""
     fn()
     torch.cuda.synchronize()
     ts = []
@@ -47,6 +48,7 @@ def cuda_time(fn, reps):
 
 
 def probe_attention(T_list, chunk, prefix, reps):
+    """Time MLA prefill attention per SDPA backend (see the module doc); returns {case: {backend: result}}."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -95,6 +97,8 @@ def probe_attention(T_list, chunk, prefix, reps):
 
 @torch.no_grad()
 def probe_decode(layers, ctx, compile_too, R, save):
+    """Kernel census and graph timings of a batch-1 decode step (see the module doc), written into ``R["decode"]``
+    and saved after each variant."""
     from torch.profiler import ProfilerActivity, profile
 
     from modeling_kimi_hybrid import kda_kimi_hybrid as kk
