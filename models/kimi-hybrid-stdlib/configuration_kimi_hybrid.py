@@ -142,7 +142,7 @@ class KimiHybridConfig(PretrainedConfig):
     """
 
     model_type = "kimi_hybrid"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {"model_max_length": "max_position_embeddings"}
 
     def __init__(

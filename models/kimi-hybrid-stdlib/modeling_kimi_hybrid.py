@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover
     init = nn.init
 
 from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
+from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
 from .cache_kimi_hybrid import _diff as _fingerprint_diff
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
@@ -844,7 +845,7 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["KimiDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
     _is_stateful = False  # the cache can be cropped (assisted decoding), see KimiHybridCache.crop
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
@@ -1028,6 +1029,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[KimiHybridCache] = None,
         **kwargs: Any,
     ) -> Union[BaseModelOutputWithPast, Tuple]:
         """Args: ``input_ids [B, T]`` (or ``inputs_embeds [B, T, D]``); ``attention_mask [B, past + T]`` or
@@ -1037,6 +1039,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         output repeats that of the last real token before it in the same call (right-padded rows generate right).
         Raises ValueError on a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given
         cache, or a static cache that would overflow."""
+        past_key_values = resolve_cache_arg(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
@@ -1161,7 +1164,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             all_hidden.append(h)
         if cache is not None:
             cache.advance(T)
-        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache else None,
+        out = BaseModelOutputWithPast(last_hidden_state=h, **cache_field(cache if use_cache else None),
                                       hidden_states=tuple(all_hidden) if all_hidden is not None else None)
         return out if return_dict is not False else out.to_tuple()
 
@@ -1225,10 +1228,13 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         cu_seqlens: Optional[torch.Tensor] = None,
+        cache: Optional[KimiHybridCache] = None,
         **kwargs: Any,
     ) -> Union[CausalLMOutputWithPast, Tuple]:
         """Returns ``logits [B, T_kept, V]`` (model dtype), ``loss`` (fp32 mean cross-entropy over labels != -100)
-        and ``past_key_values``. See :meth:`KimiHybridModel.forward` for the inputs."""
+        and the cache (``past_key_values``; transformers >= 5.24 names it ``cache``, both names are accepted). See
+        :meth:`KimiHybridModel.forward` for the inputs."""
+        past_key_values = resolve_cache_arg(past_key_values, cache)
         kwargs.pop("cache_position", None)
         for k in ("output_attentions", "num_items_in_batch_unused"):
             kwargs.pop(k, None)
@@ -1245,16 +1251,18 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss_kw = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")}
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kw)
-        res = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+        res = CausalLMOutputWithPast(loss=loss, logits=logits, **cache_field(output_cache(out)),
                                      hidden_states=out.hidden_states)
         return res if return_dict is not False else res.to_tuple()
 
     # -- generation -------------------------------------------------------------------------------------------------
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
         """transformers' default, but the 2-D padding mask is always passed through (our layers build their own
-        KDA / MLA masks from it, also with a static cache)."""
-        inputs = super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values,
-                                                       attention_mask=attention_mask, **kwargs)
+        KDA / MLA masks from it, also with a static cache). The cache comes as ``past_key_values`` (transformers
+        <= 5.23) or ``cache`` (5.24 on) and is handed on under the installed transformers' name."""
+        past_key_values = resolve_cache_arg(past_key_values, kwargs.pop("cache", None))
+        kwargs[GENERATION_CACHE_NAME] = past_key_values
+        inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask, **kwargs)
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         return inputs
@@ -1301,7 +1309,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             ids[i, P + S - s.numel():] = s.to(ids.device)
             mask[i, P + S - s.numel():] = 1
         generate_kwargs.setdefault("pad_token_id", pad)
-        return self.generate(ids, attention_mask=mask, past_key_values=prefix_cache.fork(n), **generate_kwargs)
+        generate_kwargs[GENERATION_CACHE_NAME] = prefix_cache.fork(n)
+        return self.generate(ids, attention_mask=mask, **generate_kwargs)
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """Called by ``prepare_inputs_for_generation`` for a compileable (static) cache: keep the 2-D padding mask,
@@ -1311,13 +1320,14 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Build a :class:`KimiHybridCache` (static when ``cache_implementation="static"``) instead of transformers'
         DynamicCache / StaticCache."""
-        user = model_kwargs.get("past_key_values")
+        user = pop_cache_kwargs(model_kwargs)  # either name (transformers 5.24 renamed it to `cache`)
         if user is not None:
+            model_kwargs[GENERATION_CACHE_NAME] = user
             if isinstance(user, KimiHybridCache):
                 user._is_user_defined = True
                 return
             if user.get_seq_length() == 0:
-                model_kwargs["past_key_values"] = KimiHybridCache(self.config)
+                model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config)
                 return
             raise ValueError(f"KimiHybrid generation needs a KimiHybridCache, got a filled {type(user).__name__}")
         if generation_config.use_cache is False:
@@ -1331,12 +1341,12 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
                 max_len = generation_config.max_length
             if getattr(generation_config, "max_cache_len", None):
                 max_len = max(max_len, generation_config.max_cache_len)
-            model_kwargs["past_key_values"] = KimiHybridCache(self.config, max_cache_len=int(max_len))
+            model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config, max_cache_len=int(max_len))
         elif impl in (None, "dynamic"):
-            model_kwargs["past_key_values"] = KimiHybridCache(self.config)
+            model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config)
         else:
             raise ValueError(f"cache_implementation={impl!r} is not supported by KimiHybrid; use None/'dynamic' or "
                              "'static'")
         if getattr(generation_config, "is_assistant", False):
             # a draft model's cache is rolled back over several of its forwards (see KimiHybridCache.crop)
-            model_kwargs["past_key_values"].activate_past_recording()
+            model_kwargs[GENERATION_CACHE_NAME].activate_past_recording()
