@@ -147,16 +147,22 @@ def test_generate_with_cache_equals_without_in_installed_and_remote_code_use(tmp
 
 
 def test_remote_code_load_under_an_untested_transformers_warns(tmp_path):
+    """The version check runs when the Hub files are loaded with trust_remote_code (no package installed). The
+    saved copy's newest tested release is lowered to 5.16 so that the running transformers counts as untested."""
     tiny("tiny-mla-first").save_pretrained(tmp_path / "m")
+    compat = tmp_path / "m" / "compat_kimi_hybrid.py"
+    text = compat.read_text()
+    assert 'TRANSFORMERS_MAX = "' in text
+    compat.write_text(re.sub(r'TRANSFORMERS_MAX = "[0-9.]+"', 'TRANSFORMERS_MAX = "5.16"', text))
     res = _run(_remote_code_script(tmp_path / "m", """
-        transformers.__version__ = '5.99.0'
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
             m = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)
+        assert type(m).__module__.startswith('transformers_modules'), type(m).__module__
         print('RESULT', json.dumps([type(w.message).__name__ + ': ' + str(w.message) for w in caught]))
     """), tmp_path)
     msgs = json.loads([x for x in res.stdout.splitlines() if x.startswith("RESULT")][0].split(" ", 1)[1])
-    assert any(m.startswith("KimiHybridVersionWarning") and "5.99.0" in m for m in msgs), msgs
+    assert any(m.startswith("KimiHybridVersionWarning") and transformers.__version__ in m for m in msgs), msgs
 
 
 def test_cache_is_accepted_under_both_names_and_refused_under_both_at_once():
@@ -232,13 +238,39 @@ def test_packed_keywords_must_agree():
 @pytest.mark.parametrize("cu", [[0, 3, 3, 7], [0, 0, 3, 7], [0, 3, 7, 7]])
 def test_empty_document_inside_cu_seqlens(cu):
     """An empty sequence inside ``cu_seqlens`` (a zero-length document) changes nothing: the short conv and the KDA
-    layer used to crash on it."""
+    kernels used to crash on it (the recurrences handle it); the model's packed forward equals per-document runs."""
+    from kimi_hybrid.kda_kimi_hybrid import kda_chunk, kda_recurrent, short_conv
+
+    cut = torch.tensor(cu)
+    docs = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    g = torch.Generator().manual_seed(11)
+    T, C, W, H, K = 7, 6, 4, 2, 8
+    x, w = torch.randn(1, T, C, generator=g), torch.randn(C, W, generator=g)
+    y, state = short_conv(x, w, None, "silu", cut)
+    assert state.shape[0] == len(cu) - 1  # one final window per document, the empty ones included
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if b > a:
+            ya, sa = short_conv(x[:, a:b], w, None, "silu")
+            assert maxdiff(y[:, a:b], ya) <= TOL and maxdiff(state[i], sa[0]) <= TOL
+        else:
+            assert state[i].abs().max().item() == 0.0
+    q, k, v = (torch.randn(1, T, H, K, generator=g) for _ in range(3))
+    gate = -torch.rand(1, T, H, K, generator=g)
+    beta = torch.rand(1, T, H, generator=g)
+    for run in (kda_chunk, kda_recurrent):
+        o, final = run(q, k, v, gate, beta, output_final_state=True, cu_seqlens=cut)
+        assert final.shape[0] == len(cu) - 1
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            if b > a:
+                oa, fa = run(q[:, a:b], k[:, a:b], v[:, a:b], gate[:, a:b], beta[:, a:b], output_final_state=True)
+                assert maxdiff(o[:, a:b], oa) <= TOL and maxdiff(final[i], fa[0]) <= TOL
+            else:
+                assert final[i].abs().max().item() == 0.0
     model = tiny("tiny-kda-first")
-    ids = ids_of(1, 7)
-    cuts = sorted(set(cu))
+    ids = ids_of(1, T)
     with torch.no_grad():
-        out = model(ids, cu_seqlens=torch.tensor(cu)).logits
-        ref = torch.cat([model(ids[:, a:b]).logits for a, b in zip(cuts[:-1], cuts[1:])], dim=1)
+        out = model(ids, cu_seqlens=cut).logits
+        ref = torch.cat([model(ids[:, a:b]).logits for a, b in docs], dim=1)
     assert maxdiff(out, ref) <= TOL
 
 
