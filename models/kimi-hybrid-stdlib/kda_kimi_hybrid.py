@@ -130,11 +130,15 @@ def _varlen_apply(fn, q, k, v, g, beta, scale, initial_state, output_final_state
     for n in range(len(bounds) - 1):
         s, e = bounds[n], bounds[n + 1]
         h0 = initial_state[n:n + 1] if initial_state is not None else None
+        if e == s:  # an empty sequence: no output, its state passes through (zeros without an initial state)
+            K, V = q.shape[-1], v.shape[-1]
+            finals.append(h0 if h0 is not None else q.new_zeros(1, q.shape[2], K, V, dtype=torch.float32))
+            continue
         o, hn = fn(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale=scale, initial_state=h0,
                    output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kw)
         outs.append(o)
         finals.append(hn)
-    o = torch.cat(outs, dim=1)
+    o = torch.cat(outs, dim=1) if outs else v.new_zeros(*v.shape[:1], 0, *v.shape[2:])
     return o, (torch.cat(finals, 0) if output_final_state else None)
 
 
@@ -301,6 +305,8 @@ def causal_conv1d_ref(
     B, T, _ = x.shape
     if conv_state is None:
         conv_state = x.new_zeros(B, Cw, W - 1)
+    if T == 0:  # an empty sequence (e.g. inside cu_seqlens): no output, the window is unchanged
+        return x.new_zeros(B, 0, Cw), conv_state.to(x.dtype)
     xt = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
     y = F.conv1d(xt, weight.to(x.dtype).unsqueeze(1), groups=Cw)  # [B, C, T]
     if activation == "silu":
