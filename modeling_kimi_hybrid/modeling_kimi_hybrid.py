@@ -60,6 +60,102 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# input checks and the adapter guard of fused weight reads
+# ----------------------------------------------------------------------------------------------------------------
+
+def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
+    """``module.weight`` for code that reads a weight directly instead of calling the module (fused kernels).
+    Raises ValueError when the module is wrapped by a PEFT tuner layer (LoRA, ...): its extra path would be silently
+    skipped. A ``modules_to_save`` wrapper is fine (its ``weight`` is the trained copy)."""
+    if type(module).__module__.startswith("peft.tuners"):
+        raise ValueError(
+            f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
+            f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
+            "(kimi_hybrid.app.lora.recommended_lora_config does; with target_modules='all-linear' add "
+            f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
+    return module.weight
+
+
+def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError for input ids that are not ``[batch, seq]`` integers with seq >= 1 and values in
+    ``[0, vocab_size)``. The range check reads two values back from the device, so it is skipped under torch.compile
+    and during CUDA-graph capture (where an out-of-range id is still caught by the eager steps before)."""
+    if input_ids.dim() != 2:
+        hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
+                         "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if _compiling() or _graph_capturing(input_ids):
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids holds ids in [{lo}, {hi}] but the vocabulary has {vocab_size} entries "
+                         f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
+
+
+def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static: bool) -> None:
+    """Raise ValueError unless ``mask`` is 2-D ``[B, cols]`` with cols = T without cached tokens, T or past + T with
+    ``past`` cached tokens (dynamic cache), and at least T in static mode (whose length is not read on the host)."""
+    if mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {mask.dim()}-D")
+    cols = mask.shape[1]
+    if mask.shape[0] != B:
+        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the input has batch {B}")
+    if not static and past == 0 and cols != T:
+        raise ValueError(f"attention_mask has {cols} columns for {T} tokens and no cached tokens: without a filled "
+                         "past_key_values it must be [batch, seq]")
+    if not static and past > 0 and cols not in (T, past + T):
+        raise ValueError(f"attention_mask has {cols} columns; with {past} cached tokens and {T} new ones it must "
+                         f"have {past + T} (past + new) or {T} (new only)")
+    if cols < T:
+        raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
+
+
+def _graph_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return None
+    starts = position_ids == 0
+    if not bool(starts[:, 1:].any()):
+        return None
+    starts = starts.clone()
+    starts[:, 0] = True
+    return starts.long().cumsum(1)
+
+
+def _packed_segments(cu_seqlens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], B: int,
+                     device: torch.device) -> Optional[torch.Tensor]:
+    """Document ids ``[B, T]`` of packed rows: from ``cu_seqlens [N + 1]`` (batch 1 only; ValueError otherwise), else
+    from position ids restarting at 0 (see :func:`_segment_ids_from_positions`); None when nothing is packed."""
+    if cu_seqlens is None:
+        return _segment_ids_from_positions(position_ids)
+    if B != 1:
+        raise ValueError("cu_seqlens describes packed documents of batch 1; flatten the batch first")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths).unsqueeze(0)
+
+
+def _cu_seqlens_from_segments(segs: torch.Tensor, T: int) -> torch.Tensor:
+    """Boundaries ``[N + 1]`` (int64) of the documents of ``segs [B, T]`` over the ``B * T`` flattened tokens (a row
+    end is a boundary too), as KDA's varlen kernels read them."""
+    B = segs.shape[0]
+    flat = (segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)).reshape(-1)
+    change = torch.ones_like(flat, dtype=torch.bool)
+    change[1:] = flat[1:] != flat[:-1]
+    starts = change.nonzero().flatten()
+    return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # KDA
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -259,6 +355,28 @@ class KimiDeltaAttention(nn.Module):
 # MLA
 # ----------------------------------------------------------------------------------------------------------------
 
+_OUT_DTYPE_OK = {}
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
+    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
+    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    key = (a.device.type, a.dtype)
+    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
+        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
+    if _OUT_DTYPE_OK.get(key, True):
+        try:
+            out = torch.bmm(a, b, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[key] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return torch.bmm(a, b).float()
+
+
 class KimiMLAttention(nn.Module):
     """NoPE Multi-head Latent Attention (DeepSeek-V2 MLA without rotary; K3 adds a low-rank query and a sigmoid output
     gate). The cache holds only ``latent = [RMSNorm(c_kv) | k_pe]`` (``kv_lora_rank + qk_rope_head_dim`` per token).
@@ -380,30 +498,8 @@ class KimiMLAttention(nn.Module):
         return out.transpose(0, 1).reshape(B, T, H, dv)
 
 
-_OUT_DTYPE_OK = {}
-
-
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
-    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
-    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    key = (a.device.type, a.dtype)
-    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
-        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
-    if _OUT_DTYPE_OK.get(key, True):
-        try:
-            out = torch.bmm(a, b, out_dtype=torch.float32)
-            _OUT_DTYPE_OK[key] = True
-            return out
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK[key] = False
-    return torch.bmm(a, b).float()
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# decoder
+# decoder layers
 # ----------------------------------------------------------------------------------------------------------------
 
 def attn_res_mix(prefix: torch.Tensor, bank: List[torch.Tensor], proj_w: torch.Tensor, norm_w: torch.Tensor,
@@ -418,8 +514,17 @@ def attn_res_mix(prefix: torch.Tensor, bank: List[torch.Tensor], proj_w: torch.T
 
 
 class KimiDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm decoder layer: ``h += attn(norm(h)); h += mlp(norm(h))`` (KDA or MLA, dense MLP or MoE). With K3's
-    AttnRes the layer carries the partial block sum and the block bank instead of a residual stream."""
+    """Pre-norm decoder layer: ``h += attn(norm(h)); h += mlp(norm(h))`` (KDA or MLA, dense MLP or MoE).
+
+    ``forward(hidden_states [B, T, D], attention_mask=..., past_key_values=..., cu_seqlens=...)`` returns the
+    1-tuple ``(hidden_states,)``: every layer returns its residual stream as a tuple (see
+    :class:`KimiAttnResDecoderLayer`, whose stream also carries the block bank). ``attention_mask`` is the mask of
+    this layer's type: the ``[B, T]`` token mask for KDA, the ``[B, 1, T, T_keys]`` bool mask / ``CausalBias`` /
+    None for MLA; ``cu_seqlens`` (packed documents) is read by KDA only.
+    """
+
+    # the cache is passed on under gradient checkpointing too (the model drops it for training with checkpointing)
+    _can_checkpoint_with_cache = True
 
     def __init__(self, config: KimiHybridConfig, layer_idx: int):
         super().__init__()
@@ -432,26 +537,45 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
         self.mlp = KimiMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiMLP(config)
         self.input_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
-        self.attn_res = config.attn_res_block_size > 0
-        if self.attn_res:
-            self.self_attention_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
-            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
-            self.mlp_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
-            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
-    def _attn(self, h, cache, ctx):
+    def _attend(self, x: torch.Tensor, attention_mask, cache, cu_seqlens) -> torch.Tensor:
         if self.layer_type == LINEAR:
-            return self.self_attn(h, cache, ctx["token_mask"], ctx["cu_seqlens"])
-        return self.self_attn(h, cache, ctx["mla_mask"])
+            return self.self_attn(x, cache, attention_mask, cu_seqlens)
+        return self.self_attn(x, cache, attention_mask)
 
-    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, *bank: torch.Tensor):
-        """Returns ``(prefix_sum or hidden state, bank)``. The AttnRes bank comes as positional tensors so that a
-        reentrant gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph)."""
-        if not self.attn_res:
-            h = hidden_states
-            h = h + self._attn(self.input_layernorm(h), cache, ctx)
-            return h + self.mlp(self.post_attention_layernorm(h)), None
-        # K3 AttnRes (k3-spec section 1.3)
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Tuple[torch.Tensor, ...]:
+        h = hidden_states
+        h = h + self._attend(self.input_layernorm(h), attention_mask, past_key_values, cu_seqlens)
+        return (h + self.mlp(self.post_attention_layernorm(h)),)
+
+
+_ATTN_RES_WHY = "AttnRes scores are one fused fp32 product with the projection's [1, D] weight"
+
+
+class KimiAttnResDecoderLayer(KimiDecoderLayer):
+    """K3 decoder layer with block attention residuals (AttnRes, Kimi K3 section 1.3) instead of a residual stream.
+
+    The stream is ``(p, *bank)``: ``p [B, T, D]`` the partial sum of the current block's sub-layer outputs, ``bank``
+    the snapshots that opened each block (the embeddings first). Each sub-layer reads ``attn_res_mix`` of the bank
+    and ``p`` (a softmax over depth) instead of ``p``; a layer whose index is a multiple of ``attn_res_block_size``
+    pushes ``p`` to the bank and starts a new block. The bank travels as positional tensors so that a reentrant
+    gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph).
+    ``forward(p, *bank, attention_mask=..., past_key_values=..., cu_seqlens=...)`` returns ``(p, *bank)``.
+    """
+
+    def __init__(self, config: KimiHybridConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        D = config.hidden_size
+        self.self_attention_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, *bank: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Tuple[torch.Tensor, ...]:
         eps = self.config.rms_norm_eps
         p = hidden_states
         bank = list(bank)
@@ -462,11 +586,25 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
         if self.layer_idx % self.config.attn_res_block_size == 0:
             bank.append(p)
             p = None
-        a = self._attn(self.input_layernorm(x_attn), cache, ctx)
+        a = self._attend(self.input_layernorm(x_attn), attention_mask, past_key_values, cu_seqlens)
         p = a if p is None else p + a
         x_mlp = attn_res_mix(p, bank, direct_weight(self.mlp_res_proj, "mlp_res_proj", _ATTN_RES_WHY),
                              self.mlp_res_norm.weight, eps)
-        return p + self.mlp(self.post_attention_layernorm(x_mlp)), bank
+        return (p + self.mlp(self.post_attention_layernorm(x_mlp)), *bank)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model classes
+# ----------------------------------------------------------------------------------------------------------------
+
+def _weights_come_from_rank0() -> bool:
+    """True on the ranks > 0 of an FSDP run with cpu-RAM-efficient loading: they build the model without reading the
+    checkpoint and receive the weights from rank 0 (which does the strict key check for everyone)."""
+    try:
+        from transformers.modeling_utils import is_fsdp_enabled, is_local_dist_rank_0
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
 
 
 class KimiHybridPreTrainedModel(PreTrainedModel):
@@ -544,87 +682,6 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
 
-def _weights_come_from_rank0() -> bool:
-    """True on the ranks > 0 of an FSDP run with cpu-RAM-efficient loading: they build the model without reading the
-    checkpoint and receive the weights from rank 0 (which does the strict key check for everyone)."""
-    try:
-        from transformers.modeling_utils import is_fsdp_enabled, is_local_dist_rank_0
-    except ImportError:  # pragma: no cover - older transformers
-        return False
-    return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
-
-
-_ATTN_RES_WHY = "AttnRes scores are one fused fp32 product with the projection's [1, D] weight"
-
-
-def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
-    """``module.weight`` for code that reads a weight directly instead of calling the module (fused kernels).
-    Raises ValueError when the module is wrapped by a PEFT tuner layer (LoRA, ...): its extra path would be silently
-    skipped. A ``modules_to_save`` wrapper is fine (its ``weight`` is the trained copy)."""
-    if type(module).__module__.startswith("peft.tuners"):
-        raise ValueError(
-            f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
-            f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
-            "(kimi_hybrid.app.lora.recommended_lora_config does; with target_modules='all-linear' add "
-            f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
-    return module.weight
-
-
-def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError for input ids that are not ``[batch, seq]`` integers with seq >= 1 and values in
-    ``[0, vocab_size)``. The range check reads two values back from the device, so it is skipped under torch.compile
-    and during CUDA-graph capture (where an out-of-range id is still caught by the eager steps before)."""
-    if input_ids.dim() != 2:
-        hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
-        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
-                         "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    if _compiling() or _graph_capturing(input_ids):
-        return
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"input_ids holds ids in [{lo}, {hi}] but the vocabulary has {vocab_size} entries "
-                         f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
-
-
-def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static: bool) -> None:
-    """Raise ValueError unless ``mask`` is 2-D ``[B, cols]`` with cols = T without cached tokens, T or past + T with
-    ``past`` cached tokens (dynamic cache), and at least T in static mode (whose length is not read on the host)."""
-    if mask.dim() != 2:
-        raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {mask.dim()}-D")
-    cols = mask.shape[1]
-    if mask.shape[0] != B:
-        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the input has batch {B}")
-    if not static and past == 0 and cols != T:
-        raise ValueError(f"attention_mask has {cols} columns for {T} tokens and no cached tokens: without a filled "
-                         "past_key_values it must be [batch, seq]")
-    if not static and past > 0 and cols not in (T, past + T):
-        raise ValueError(f"attention_mask has {cols} columns; with {past} cached tokens and {T} new ones it must "
-                         f"have {past + T} (past + new) or {T} (new only)")
-    if cols < T:
-        raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
-
-
-def _graph_capturing(t: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-        return None
-    starts = position_ids == 0
-    if not bool(starts[:, 1:].any()):
-        return None
-    starts = starts.clone()
-    starts[:, 0] = True
-    return starts.long().cumsum(1)
-
-
 class KimiHybridModel(KimiHybridPreTrainedModel):
     """The decoder stack: embeddings, layers, final norm (and K3's exit AttnRes). Returns the last hidden state
     ``[B, T, D]`` and the :class:`KimiHybridCache`."""
@@ -632,12 +689,14 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        layer_cls = KimiAttnResDecoderLayer if config.attn_res_block_size > 0 else KimiDecoderLayer
+        self.layers = nn.ModuleList([layer_cls(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.attn_res_block_size > 0:
             self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-        if config.use_full_rank_gate:
+            self._no_split_modules = list(self._no_split_modules) + ["KimiAttnResDecoderLayer"]
+        if config.is_k3:
             # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time (also for AutoModel loads)
             self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
                 "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
@@ -670,19 +729,54 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         output repeats that of the last real token before it in the same call (right-padded rows generate right).
         Raises ValueError on a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given
         cache, or a static cache that would overflow."""
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        cache = self._prepare_cache(past_key_values, use_cache, inputs_embeds)
+        # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
+        # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
+        cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
+            attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
+
+        all_hidden = [] if output_hidden_states else None
+        stream = (inputs_embeds,)  # (hidden states,), or K3's (partial block sum, *block bank)
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(stream[0])
+            stream = layer(*stream, attention_mask=kda_mask if layer.layer_type == LINEAR else mla_mask,
+                           past_key_values=cache, cu_seqlens=kda_cu_seqlens)
+        h = self.norm(self._exit_mix(stream))
+        if kda_mask is not None:
+            h = self._repeat_last_real(h, kda_mask, cache)
+        if cache is not None and not cache.static:
+            cache.last_hidden = h[:, -1].detach().clone()
+        if all_hidden is not None:
+            all_hidden.append(h)
+        if cache is not None:
+            cache.advance(h.shape[1])
+        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache else None,
+                                      hidden_states=tuple(all_hidden) if all_hidden is not None else None)
+        return out if return_dict is not False else out.to_tuple()
+
+    # -- forward steps, in call order -------------------------------------------------------------------------------
+    def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        """Checked ``inputs_embeds [B, T, D]`` from exactly one of ``input_ids`` / ``inputs_embeds``."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
             _check_input_ids(input_ids, self.config.vocab_size)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            return self.embed_tokens(input_ids)
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden] with seq >= 1, "
                              f"got {tuple(inputs_embeds.shape)}")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        return inputs_embeds
+
+    def _prepare_cache(self, past_key_values, use_cache: bool, inputs_embeds: torch.Tensor
+                       ) -> Optional[KimiHybridCache]:
+        """The :class:`KimiHybridCache` this call reads and writes (an empty transformers cache is replaced, a new
+        one made for ``use_cache``), checked against this model and allocated for the input's batch / dtype."""
         B, T, _ = inputs_embeds.shape
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
         cache = past_key_values if use_cache or past_key_values is not None else None
         if cache is not None and not isinstance(cache, KimiHybridCache):
             if cache.get_seq_length() == 0:
@@ -691,63 +785,64 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
                 raise ValueError(f"KimiHybrid needs a KimiHybridCache, got a filled {type(cache).__name__}")
         if use_cache and cache is None:
             cache = KimiHybridCache(self.config)
+        if cache is None:
+            return None
+        static = cache.static
+        want = config_fingerprint(self.config)
+        if cache.fingerprint != want:
+            raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
+                             f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
+        cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
+        if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
+            raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
+        # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
+        # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
+        if (static and not _compiling() and not _graph_capturing(inputs_embeds)
+                and cache.seen_tokens + T > cache.max_cache_len):
+            raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
+                             f"tokens and cannot take {T} more")
+        return cache
+
+    def _build_masks(self, attention_mask, position_ids, cu_seqlens, cache, cache_given: bool,
+                     inputs_embeds: torch.Tensor):
+        """The masks of both layer types, built once per call.
+
+        Returns ``(cache, kda_mask, kda_cu_seqlens, mla_mask)``: ``kda_mask [B, T]`` bool (False = pad; None when
+        every token is real, or for packed inputs), ``kda_cu_seqlens [N + 1]`` document boundaries over the
+        flattened tokens (packed inputs, else None), ``mla_mask`` bool ``[B, 1, T, T_keys]`` / ``CausalBias`` / None
+        (plain causal). Packed inputs run without a cache (``cache`` comes back None), and raise ValueError when
+        the caller gave one. The cache's key mask is updated with this call's tokens.
+        """
+        B, T, device = inputs_embeds.shape[0], inputs_embeds.shape[1], inputs_embeds.device
         static = cache is not None and cache.static
-        if cache is not None:
-            want = config_fingerprint(self.config)
-            if cache.fingerprint != want:
-                raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
-                                 f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
-            cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
-            if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
-                raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
-            # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
-            # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
-            if (static and not _compiling() and not _graph_capturing(inputs_embeds)
-                    and cache.seen_tokens + T > cache.max_cache_len):
-                raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
-                                 f"tokens and cannot take {T} more")
         # static mode never reads the Python length here (a compiled decode step must not specialise on it): its
         # positions come from the device counter cache._pos, and its zero-initialised buffers act as "no state"
         past = 0 if cache is None or static else cache.seen_tokens
-
-        # -- masks ----------------------------------------------------------------------------------------------
         token_mask = None
         if attention_mask is not None:
             _check_attention_mask(attention_mask, B, T, past, static)
             token_mask = attention_mask[:, -T:].bool()
             if attention_mask.shape[1] == past + T and cache is not None and cache.key_mask is not None \
-                    and not cache.static and past > 0:
+                    and not static and past > 0:
                 # trust the caller's history for earlier pads
                 cache.key_mask = attention_mask[:, :past].bool() & cache.key_mask
-        segs = None
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError("cu_seqlens describes packed documents of batch 1; flatten the batch first")
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(inputs_embeds.device)
-            segs = torch.repeat_interleave(torch.arange(lengths.numel(), device=inputs_embeds.device),
-                                           lengths).unsqueeze(0)
-        elif attention_mask is None and past == 0 and not static:
-            segs = _segment_ids_from_positions(position_ids)
-        if segs is not None and cache is not None:
-            if past_key_values is not None:
-                raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written to a "
-                                 "cache: run them with use_cache=False, or one document per row with a cache")
-            cache = None  # the cache created for use_cache would hold no consistent state of several documents
+        segs = _packed_segments(cu_seqlens, position_ids, B, device) if (
+            cu_seqlens is not None or (attention_mask is None and past == 0 and not static)) else None
         kda_cu = None
         if segs is not None:
-            flat = segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)
-            flat = flat.reshape(-1)
-            change = torch.ones_like(flat, dtype=torch.bool)
-            change[1:] = flat[1:] != flat[:-1]
-            starts = change.nonzero().flatten()
-            kda_cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
+            if cache is not None:
+                if cache_given:
+                    raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written "
+                                     "to a cache: run them with use_cache=False, or one document per row with a cache")
+                cache = None  # the cache created for use_cache would hold no consistent state of several documents
+            kda_cu = _cu_seqlens_from_segments(segs, T)
             token_mask = None
         full_mask = token_mask
         if token_mask is not None and not static and bool(token_mask.all()):
             token_mask = None  # (static mode keeps the mask: pure tensor ops, no data-dependent branch)
         if cache is not None:
             keys_valid = cache.update_key_mask(full_mask if full_mask is not None else
-                                               torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device))
+                                               torch.ones(B, T, dtype=torch.bool, device=device))
         else:
             keys_valid = full_mask
         mla_mask = None
@@ -762,41 +857,8 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
 
                 mla_mask = causal_lower_right(T, past + T)
             else:
-                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, inputs_embeds.device)
-        ctx = {"token_mask": token_mask, "cu_seqlens": kda_cu, "mla_mask": mla_mask}
-
-        # -- layers ---------------------------------------------------------------------------------------------
-        all_hidden = [] if output_hidden_states else None
-        h = inputs_embeds
-        bank: Optional[List[torch.Tensor]] = [] if self.config.attn_res_block_size > 0 else None
-        for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(h)
-            h, bank = layer(h, cache, ctx, *(bank or ()))
-        if self.config.attn_res_block_size > 0:
-            h = attn_res_mix(h, bank, direct_weight(self.output_attn_res_proj, "output_attn_res_proj", _ATTN_RES_WHY),
-                             self.output_attn_res_norm.weight,
-                             self.config.rms_norm_eps)
-        h = self.norm(h)
-        if token_mask is not None:
-            # a pad's output repeats the output of its row's last real token before it (in this call, else the one
-            # the dynamic cache kept), so the last position of a right-padded row predicts that row's next token
-            # (generate reads logits[:, -1]), also when the last piece of a chunked prefill is all padding
-            pos = torch.arange(T, device=h.device).expand(B, T)
-            last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
-            src = torch.where(last >= 0, last, pos)
-            h = h.gather(1, src.unsqueeze(-1).expand_as(h))
-            if cache is not None and not static and cache.last_hidden is not None:
-                h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
-        if cache is not None and not static:
-            cache.last_hidden = h[:, -1].detach().clone()
-        if all_hidden is not None:
-            all_hidden.append(h)
-        if cache is not None:
-            cache.advance(T)
-        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache else None,
-                                      hidden_states=tuple(all_hidden) if all_hidden is not None else None)
-        return out if return_dict is not False else out.to_tuple()
+                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, device)
+        return cache, token_mask, kda_cu, mla_mask
 
     @staticmethod
     def _mla_mask(B, T, past, keys_valid, segs, cache, device):
@@ -816,6 +878,28 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         diag = k_idx.view(1, 1, Tk) == q_abs.view(1, T, 1)
         m = m | (diag & ~m.any(-1, keepdim=True))
         return m.unsqueeze(1)
+
+    def _exit_mix(self, stream: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The hidden state before the final norm: the stream itself, or with K3's AttnRes the softmax-over-depth mix
+        of the block bank and the last partial sum (``[B, T, D]``)."""
+        if self.config.attn_res_block_size == 0:
+            return stream[0]
+        w = direct_weight(self.output_attn_res_proj, "output_attn_res_proj", _ATTN_RES_WHY)
+        return attn_res_mix(stream[0], list(stream[1:]), w, self.output_attn_res_norm.weight, self.config.rms_norm_eps)
+
+    @staticmethod
+    def _repeat_last_real(h: torch.Tensor, token_mask: torch.Tensor, cache: Optional[KimiHybridCache]) -> torch.Tensor:
+        """A pad's output repeats the output of its row's last real token before it (in this call, else the one the
+        dynamic cache kept), so the last position of a right-padded row predicts that row's next token (generate
+        reads logits[:, -1]), also when the last piece of a chunked prefill is all padding. ``h [B, T, D]``."""
+        B, T = token_mask.shape
+        pos = torch.arange(T, device=h.device).expand(B, T)
+        last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
+        src = torch.where(last >= 0, last, pos)
+        h = h.gather(1, src.unsqueeze(-1).expand_as(h))
+        if cache is not None and not cache.static and cache.last_hidden is not None:
+            h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
+        return h
 
 
 class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):

@@ -304,6 +304,15 @@ class KimiHybridConfig(PretrainedConfig):
         return bool(self.linear_attn_config.get("use_full_rank_gate", False))
 
     @property
+    def is_k3(self) -> bool:
+        """Whether this is the Kimi K3 architecture (any K3-only switch on: full-rank KDA output gates, the
+        lower-bounded KDA gate, the MLA output gate, latent MoE, SiTU-GLU or AttnRes). K3's checkpoints keep the
+        KDA conv kernels and ``o_norm`` in fp32, so the model keeps them in fp32 too."""
+        return bool(self.use_full_rank_gate or self.gate_lower_bound is not None or self.mla_use_output_gate
+                    or self.routed_expert_hidden_size is not None or self.hidden_act == "situ"
+                    or self.attn_res_block_size > 0)
+
+    @property
     def qk_head_dim(self) -> int:
         """MLA query/key head dim: ``qk_nope_head_dim + qk_rope_head_dim`` (192 for Kimi-Linear)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
