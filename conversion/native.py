@@ -23,8 +23,7 @@ def native_state_dict_views(sd: Dict[str, torch.Tensor], config=None) -> Dict[st
 
     With a ``config`` (the native ``KimiLinearConfig`` or its dict) this is the strict, plan-based converter of
     ``conversion.state_dict.native_state_dict_to_ours`` (refuses unknown / missing keys and wrong shapes,
-    A_log / dt_bias /
-    e_score_correction_bias made fp32). Without one, the permissive rename below is used.
+    A_log / dt_bias / e_score_correction_bias made fp32). Without one, the permissive rename below is used.
 
     Args:
         sd: native state dict (tensors on any device / dtype; values are not changed).
