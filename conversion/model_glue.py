@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import shutil
 import sys
@@ -55,25 +54,22 @@ def model_package():
 
 
 def config_class():
-    """KimiHybridConfig loaded from the bundle's configuration file alone (it imports only transformers'
-    PretrainedConfig), so converting does not pay for importing the model code. None without the bundle."""
-    global _CONFIG_CLASS
-    if _CONFIG_CLASS is None:
-        d = bundle_dir()
-        if d is None:
-            return None
-        name = os.path.basename(d)
-        mod = sys.modules.get(f"{name}.configuration_kimi_hybrid")
-        if mod is None:
-            spec = importlib.util.spec_from_file_location("_kimi_hybrid_configuration",
-                                                          os.path.join(d, "configuration_kimi_hybrid.py"))
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-        _CONFIG_CLASS = mod.KimiHybridConfig
-    return _CONFIG_CLASS
+    """KimiHybridConfig of the model package (None without it)."""
+    pkg = model_package()
+    return None if pkg is None else pkg.KimiHybridConfig
 
 
-_CONFIG_CLASS = None
+def meta_model(ours: dict):
+    """``KimiHybridForCausalLM`` for our config dict, built on the meta device: its ``state_dict`` names, shapes and
+    dtypes are the layout the converters plan against (no memory is allocated). Raises ValueError without the
+    model package, or when the model refuses the config."""
+    import torch
+
+    pkg = model_package()
+    if pkg is None:
+        raise ValueError("the kimi-hybrid model package is not importable: the tensor plan is read from the model")
+    with torch.device("meta"):
+        return pkg.KimiHybridForCausalLM(to_model_config(ours))
 
 
 def bundle_files(d: str) -> list[str]:

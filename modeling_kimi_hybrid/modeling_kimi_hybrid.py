@@ -14,7 +14,9 @@ Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
@@ -607,6 +609,30 @@ def _weights_come_from_rank0() -> bool:
     return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
 
 
+RELEASED_MODEL_TYPES = ("kimi_linear", "kimi_k3")  # config.json model_type of released / native checkpoints
+
+
+def _refuse_released_folder(source, subfolder: str, cls_name: str) -> None:
+    """Raise ValueError when ``source`` is a local folder holding a released Kimi-Linear / K3 (or transformers-native
+    ``kimi_linear``) checkpoint, whose tensor names and layout this model does not load, with the command that
+    converts it. Reads config.json only, never a weight file."""
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return
+    path = os.path.join(source, subfolder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config here: transformers reports that itself
+    if model_type in RELEASED_MODEL_TYPES:
+        src = os.path.join(str(source), subfolder) if subfolder else str(source)
+        out = src.rstrip("/\\") + "-kimi-hybrid"
+        raise ValueError(
+            f"{src!r} holds a {model_type!r} checkpoint (released Kimi-Linear / K3 or transformers-native layout): "
+            f"its tensor names and fused layouts differ from {cls_name}'s, so no weight was loaded. Convert it once "
+            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert convert {src} {out}")
+
+
 class KimiHybridPreTrainedModel(PreTrainedModel):
     """Weights init, fp32-kept parameters and the flags transformers reads."""
 
@@ -632,9 +658,12 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             *args, **kwargs: as ``PreTrainedModel.from_pretrained`` (``output_loading_info`` included).
 
         Raises:
-            ValueError: missing or unexpected checkpoint keys (a released-layout or native ``kimi_linear`` checkpoint
-                needs ``kimi-hybrid-convert`` first).
+            ValueError: before any weight is read, for a local folder whose config.json is a released Kimi-Linear /
+                K3 or transformers-native ``kimi_linear`` one (its tensors use the released names; the message gives
+                the ``kimi-hybrid-convert convert SRC OUT`` command); missing or unexpected checkpoint keys.
         """
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        _refuse_released_folder(source, kwargs.get("subfolder") or "", cls.__name__)
         want_info = bool(kwargs.pop("output_loading_info", False))
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if strict_loading and not _weights_come_from_rank0():

@@ -27,15 +27,19 @@ from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling
 from .norms_kimi_hybrid import KimiRMSNorm
 
-# (a try block, not `if`: transformers' remote-code loader requires every import outside try blocks to be installed;
-# a Hub copy of this file runs without the kimi-hybrid package, and CPU-only installs have no triton)
-try:
-    from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
+# Our Triton expert GEMVs are used by the installed package only: a Hub copy of this file (loaded by transformers as
+# remote code) stays self-contained and never imports kimi_hybrid, even where it is installed. (A try block, not
+# only `if`: transformers' remote-code loader requires every import outside try blocks to be installed; CPU-only
+# installs have no triton.)
+moe_decode_gemv = None
+_MOE_TRITON = False
+if __name__.startswith("kimi_hybrid."):
+    try:
+        from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
 
-    _MOE_TRITON = True
-except Exception:  # noqa: BLE001
-    moe_decode_gemv = None
-    _MOE_TRITON = False
+        _MOE_TRITON = True
+    except Exception:  # noqa: BLE001
+        pass
 
 __all__ = ["KimiMLP", "KimiRouter", "KimiExperts", "KimiMoE", "glu_act", "MOE_GEMV_MAX_PAIRS"]
 

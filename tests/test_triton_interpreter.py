@@ -26,7 +26,7 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from modeling_kimi_hybrid import KimiHybridConfig
 from modeling_kimi_hybrid import kda_kimi_hybrid as kk
-from modeling_kimi_hybrid import moe_kimi_hybrid as moe
+from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
 from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
 
 def rel(a, b):

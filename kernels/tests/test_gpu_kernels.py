@@ -15,7 +15,7 @@ import torch
 
 from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from modeling_kimi_hybrid import kda_kimi_hybrid as kk
-from modeling_kimi_hybrid import moe_kimi_hybrid as moe
+from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
 
 warnings.filterwarnings("ignore")
 

@@ -8,7 +8,7 @@ import torch
 
 from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from modeling_kimi_hybrid import modeling_kimi_hybrid as mk
-from modeling_kimi_hybrid import moe_kimi_hybrid as moe
+from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
 
 warnings.filterwarnings("ignore")
 

@@ -18,6 +18,9 @@ import os
 from typing import Any, Dict, List, Optional
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -444,6 +447,10 @@ class KimiHybridConfig(PretrainedConfig):
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
             if raw.get("model_type") in ("kimi_linear", "kimi_k3"):
+                logger.warning(
+                    f"{pretrained_model_name_or_path} holds a released {raw['model_type']!r} config.json: read as "
+                    "KimiHybridConfig, but its weights use the released names and must be converted before "
+                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert convert SRC OUT)")
                 cfg = cls.from_released_dict(raw)
                 for k, v in kwargs.items():
                     setattr(cfg, k, v)
