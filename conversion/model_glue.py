@@ -4,8 +4,9 @@
   checkout, or the installed `kimi_hybrid` (pip maps modeling_kimi_hybrid/ to kimi_hybrid/).
 - `to_model_config(ours)`: our normalised config dict -> `KimiHybridConfig`, cross-checked (layer plan, KDA dims)
   against the converter's own reading, so the converter and the model can never disagree silently.
-- `write_model_config`: writes config.json as `KimiHybridConfig` serialises it and copies the bundle's flat .py
-  files next to the weights with a full `auto_map`, so the folder loads with
+- `meta_model(ours)`: the model built on the meta device, whose state_dict is the converters' tensor plan.
+- `write_model_config`: writes config.json as `KimiHybridConfig` serialises it and copies the bundle files next to
+  the weights with a full `auto_map` (both from `kimi_hybrid.bundle`), so the folder loads with
   `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` where kimi-hybrid is not installed.
   Without the bundle (converter used alone) the normalised dict is written as is.
 """
@@ -14,24 +15,18 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 import sys
 
 from . import config_io
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_hybrid.KimiHybridConfig",
-    "AutoModel": "modeling_kimi_hybrid.KimiHybridModel",
-    "AutoModelForCausalLM": "modeling_kimi_hybrid.KimiHybridForCausalLM",
-}
 # converter-side mirrors that KimiHybridConfig derives itself (read-only properties there)
 _MIRRORS = ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_size", "gate_lower_bound",
             "use_full_rank_gate", "source_format", "model_type", "architectures", "auto_map", "dtype", "torch_dtype",
             "transformers_version")
 
 
-def bundle_dir() -> str | None:
-    """Folder of the model bundle: modeling_kimi_hybrid/ beside this package (source checkout), else the installed
+def _package_dir() -> str | None:
+    """Folder of the model package: modeling_kimi_hybrid/ beside this package (source checkout), else the installed
     package folder that contains this package (site-packages/kimi_hybrid/)."""
     here = os.path.dirname(os.path.abspath(__file__))
     for d in (os.path.join(os.path.dirname(here), "modeling_kimi_hybrid"), os.path.dirname(here)):
@@ -42,7 +37,7 @@ def bundle_dir() -> str | None:
 
 def model_package():
     """Import and return the bundle package, or None when it is not available."""
-    d = bundle_dir()
+    d = _package_dir()
     if d is None:
         return None
     name = os.path.basename(d)
@@ -70,10 +65,6 @@ def meta_model(ours: dict):
         raise ValueError("the kimi-hybrid model package is not importable: the tensor plan is read from the model")
     with torch.device("meta"):
         return pkg.KimiHybridForCausalLM(to_model_config(ours))
-
-
-def bundle_files(d: str) -> list[str]:
-    return sorted(f for f in os.listdir(d) if f.endswith(".py") and f != "__init__.py")
 
 
 def to_model_config(ours: dict):
@@ -109,10 +100,9 @@ def write_model_config(out: str, ours: dict, with_bundle: bool) -> list[str]:
         cfg = {k: v for k, v in ours.items() if k != "source_format"}
         config_io.write_json(os.path.join(out, "config.json"), cfg)
         return written
-    d = bundle_dir()
-    for f in bundle_files(d):
-        shutil.copy2(os.path.join(d, f), os.path.join(out, f))
-        written.append(f)
+    from kimi_hybrid.bundle import AUTO_MAP, write_bundle
+
+    written += write_bundle(out, _package_dir())
     cfg = cfg_obj.to_dict()
     cfg["auto_map"] = dict(AUTO_MAP)
     cfg["dtype"] = str(ours.get("dtype") or "bfloat16")
