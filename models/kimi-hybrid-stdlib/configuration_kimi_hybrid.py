@@ -25,23 +25,10 @@ logger = logging.get_logger(__name__)
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
-_KIMI_LINEAR_48B = {
-    "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27,
-    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72, "hidden_act": "silu",
-    "initializer_range": 0.02, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
-    "max_position_embeddings": 1048576, "tie_word_embeddings": False, "use_cache": True,
-    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "mla_use_nope": True, "num_nextn_predict_layers": 0, "num_experts": 256, "num_experts_per_token": 8,
-    "moe_intermediate_size": 1024, "num_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "routed_scaling_factor": 2.446, "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
-    "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
-    "linear_attn_config": {
-        "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
-        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
-        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
-    },
-}
+# Kimi-Linear-48B-A3B (Base / Instruct) is the config of the class defaults: every default of
+# KimiHybridConfig.__init__ is the released value, and the default layer plan (every fourth layer and the last one
+# MLA) gives its kda_layers / full_attn_layers.
+_KIMI_LINEAR_48B: Dict[str, Any] = {}
 
 _K3_FULL = [4 * i for i in range(1, 24)] + [93]
 _KIMI_K3 = {
