@@ -2,10 +2,11 @@
 
 - `model_package()`: the bundle as an imported package -- `modeling_kimi_hybrid` beside this package in a source
   checkout, or the installed `kimi_hybrid` (pip maps modeling_kimi_hybrid/ to kimi_hybrid/).
-- `to_model_config(ours)`: our normalised config dict -> `KimiHybridConfig`, cross-checked (layer plan, KDA dims)
-  against the converter's own reading, so the converter and the model can never disagree silently.
-- `write_model_config`: writes config.json as `KimiHybridConfig` serialises it and copies the bundle's flat .py
-  files next to the weights with a full `auto_map`, so the folder loads with
+- `to_model_config(ours)`: our config dict -> `KimiHybridConfig` (the config class is the one reader and writer of
+  released config.json files; `config_io` calls it).
+- `meta_model(ours)`: the model built on the meta device, whose state_dict is the converters' tensor plan.
+- `write_model_config`: writes config.json as `KimiHybridConfig` serialises it and copies the bundle files next to
+  the weights with a full `auto_map` (both from `kimi_hybrid.bundle`), so the folder loads with
   `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` where kimi-hybrid is not installed.
   Without the bundle (converter used alone) the normalised dict is written as is.
 """
@@ -13,26 +14,19 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
-import shutil
 import sys
 
 from . import config_io
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_hybrid.KimiHybridConfig",
-    "AutoModel": "modeling_kimi_hybrid.KimiHybridModel",
-    "AutoModelForCausalLM": "modeling_kimi_hybrid.KimiHybridForCausalLM",
-}
 # converter-side mirrors that KimiHybridConfig derives itself (read-only properties there)
 _MIRRORS = ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_size", "gate_lower_bound",
             "use_full_rank_gate", "source_format", "model_type", "architectures", "auto_map", "dtype", "torch_dtype",
             "transformers_version")
 
 
-def bundle_dir() -> str | None:
-    """Folder of the model bundle: modeling_kimi_hybrid/ beside this package (source checkout), else the installed
+def _package_dir() -> str | None:
+    """Folder of the model package: modeling_kimi_hybrid/ beside this package (source checkout), else the installed
     package folder that contains this package (site-packages/kimi_hybrid/)."""
     here = os.path.dirname(os.path.abspath(__file__))
     for d in (os.path.join(os.path.dirname(here), "modeling_kimi_hybrid"), os.path.dirname(here)):
@@ -43,7 +37,7 @@ def bundle_dir() -> str | None:
 
 def model_package():
     """Import and return the bundle package, or None when it is not available."""
-    d = bundle_dir()
+    d = _package_dir()
     if d is None:
         return None
     name = os.path.basename(d)
@@ -55,34 +49,27 @@ def model_package():
 
 
 def config_class():
-    """KimiHybridConfig loaded from the bundle's configuration file alone (it imports only transformers'
-    PretrainedConfig), so converting does not pay for importing the model code. None without the bundle."""
-    global _CONFIG_CLASS
-    if _CONFIG_CLASS is None:
-        d = bundle_dir()
-        if d is None:
-            return None
-        name = os.path.basename(d)
-        mod = sys.modules.get(f"{name}.configuration_kimi_hybrid")
-        if mod is None:
-            spec = importlib.util.spec_from_file_location("_kimi_hybrid_configuration",
-                                                          os.path.join(d, "configuration_kimi_hybrid.py"))
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-        _CONFIG_CLASS = mod.KimiHybridConfig
-    return _CONFIG_CLASS
+    """KimiHybridConfig of the model package (None without it)."""
+    pkg = model_package()
+    return None if pkg is None else pkg.KimiHybridConfig
 
 
-_CONFIG_CLASS = None
+def meta_model(ours: dict):
+    """``KimiHybridForCausalLM`` for our config dict, built on the meta device: its ``state_dict`` names, shapes and
+    dtypes are the layout the converters plan against (no memory is allocated). Raises ValueError without the
+    model package, or when the model refuses the config."""
+    import torch
 
-
-def bundle_files(d: str) -> list[str]:
-    return sorted(f for f in os.listdir(d) if f.endswith(".py") and f != "__init__.py")
+    pkg = model_package()
+    if pkg is None:
+        raise ValueError("the kimi-hybrid model package is not importable: the tensor plan is read from the model")
+    with torch.device("meta"):
+        return pkg.KimiHybridForCausalLM(to_model_config(ours))
 
 
 def to_model_config(ours: dict):
-    """Our config dict -> KimiHybridConfig (None without the bundle). Raises ValueError if the model's reading of
-    the config disagrees with the converter's (layer plan, MLP plan, KDA dims)."""
+    """Our config dict -> KimiHybridConfig (None without the model package). Raises ValueError (naming the field)
+    when the model rejects the config."""
     cls = config_class()
     if cls is None:
         return None
@@ -91,18 +78,8 @@ def to_model_config(ours: dict):
         if kw.get(k) is None:
             kw.pop(k, None)
     cfg = cls(**kw)
-    cfg.dtype = ours.get("dtype") or "bfloat16"
+    cfg.dtype = ours.get("dtype") or ours.get("torch_dtype") or "bfloat16"
     cfg.architectures = ["KimiHybridForCausalLM"]
-    diffs = []
-    for name, mine in (("layer_types", ours["layer_types"]), ("mlp_layer_types", ours["mlp_layer_types"]),
-                       ("linear_num_heads", ours["linear_num_heads"]), ("linear_head_dim", ours["linear_head_dim"]),
-                       ("linear_conv_kernel_size", ours["linear_conv_kernel_size"]),
-                       ("gate_lower_bound", ours.get("gate_lower_bound")),
-                       ("use_full_rank_gate", bool(ours.get("use_full_rank_gate")))):
-        if getattr(cfg, name) != mine:
-            diffs.append(f"{name}: model {getattr(cfg, name)!r}, converter {mine!r}")
-    if diffs:
-        raise ValueError("KimiHybridConfig reads the config differently from the converter:\n  " + "\n  ".join(diffs))
     return cfg
 
 
@@ -113,10 +90,9 @@ def write_model_config(out: str, ours: dict, with_bundle: bool) -> list[str]:
         cfg = {k: v for k, v in ours.items() if k != "source_format"}
         config_io.write_json(os.path.join(out, "config.json"), cfg)
         return written
-    d = bundle_dir()
-    for f in bundle_files(d):
-        shutil.copy2(os.path.join(d, f), os.path.join(out, f))
-        written.append(f)
+    from kimi_hybrid.bundle import AUTO_MAP, write_bundle
+
+    written += write_bundle(out, _package_dir())
     cfg = cfg_obj.to_dict()
     cfg["auto_map"] = dict(AUTO_MAP)
     cfg["dtype"] = str(ours.get("dtype") or "bfloat16")

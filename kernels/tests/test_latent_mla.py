@@ -8,6 +8,7 @@ import torch
 
 from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from modeling_kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
 
 warnings.filterwarnings("ignore")
 
@@ -78,7 +79,7 @@ def test_decode_latent_vs_decompressed_model(preset):
 def test_expert_fallback_vs_reference():
     cfg = KimiHybridConfig.from_preset("tiny-kda-first")
     torch.manual_seed(2)
-    ex = mk.KimiExperts(cfg, cfg.hidden_size)
+    ex = moe.KimiExperts(cfg, cfg.hidden_size)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.1)
     torch.nn.init.normal_(ex.down_proj, std=0.1)
     N, E, k, F_ = 5, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size
