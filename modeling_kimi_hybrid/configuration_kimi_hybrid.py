@@ -171,6 +171,8 @@ class KimiHybridConfig(PretrainedConfig):
     ``moe_renormalize``, ``routed_expert_hidden_size`` (K3 latent MoE; None = off), ``latent_moe_use_norm``.
     K3: ``hidden_act="situ"`` with ``activation_situ_beta`` / ``activation_situ_linear_beta``,
     ``attn_res_block_size`` (AttnRes; 0 = off).
+    Training: ``output_router_logits`` (return each MoE layer's router logits and the load-balancing loss by
+    default) and ``router_aux_loss_coef`` (the loss's weight in the LM loss; 0.001, transformers' MoE default).
 
     Raises:
         ValueError: naming the field, when the layer lists do not cover every layer exactly once, a head dim does
@@ -232,6 +234,8 @@ class KimiHybridConfig(PretrainedConfig):
         mlp_layer_types: Optional[List[str]] = None,
         mla_absorb_max_q_len: int = 16,
         kda_record_max_tokens: int = 64,
+        output_router_logits: bool = False,
+        router_aux_loss_coef: float = 0.001,
         **kwargs,
     ):
         # the released config.json stores the dtype under "dtype" and the context under "model_max_length"
@@ -289,6 +293,11 @@ class KimiHybridConfig(PretrainedConfig):
         self.attn_res_block_size = attn_res_block_size
         self.mla_absorb_max_q_len = mla_absorb_max_q_len
         self.kda_record_max_tokens = kda_record_max_tokens
+        if isinstance(router_aux_loss_coef, bool) or not isinstance(router_aux_loss_coef, (int, float)) \
+                or router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be a number >= 0, got {router_aux_loss_coef!r}")
+        self.output_router_logits = bool(output_router_logits)
+        self.router_aux_loss_coef = float(router_aux_loss_coef)
 
         lac = copy.deepcopy(linear_attn_config) if linear_attn_config else {}
         lac.setdefault("head_dim", 128)

@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -155,6 +156,53 @@ def _cu_seqlens_from_segments(segs: torch.Tensor, T: int) -> torch.Tensor:
     change[1:] = flat[1:] != flat[:-1]
     starts = change.nonzero().flatten()
     return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
+
+
+def _packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx, B: int,
+                        T: int) -> Optional[torch.Tensor]:
+    """The packed-document boundaries ``[N + 1]`` given by any of ``cu_seqlens`` (ours), transformers'
+    flash-attention keywords (``cu_seq_lens_q/k``, ``max_length_q/k``, as ``DataCollatorWithFlattening(
+    return_flash_attn_kwargs=True)`` makes them) or ``seq_idx [1, T]``; None when none is given.
+
+    Raises ValueError when they disagree with each other or with the input (batch must be 1, the boundaries must
+    run from 0 to T, ``max_length_*`` must be the longest document). Value checks read the boundaries on the host
+    and are skipped while tracing (torch.compile / export)."""
+    if (cu_seq_lens_q is None) != (cu_seq_lens_k is None):
+        raise ValueError("pass cu_seq_lens_q and cu_seq_lens_k together (for this causal self-attention model they "
+                         "are the same document boundaries)")
+    found = [("cu_seqlens", cu_seqlens)] if cu_seqlens is not None else []
+    if cu_seq_lens_q is not None:
+        found += [("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)]
+    if seq_idx is not None:
+        if seq_idx.dim() != 2 or seq_idx.shape != (1, T):
+            raise ValueError(f"seq_idx must be [1, {T}] (document index per token of one packed row), got "
+                             f"{tuple(seq_idx.shape)}")
+        change = torch.ones(T, dtype=torch.bool, device=seq_idx.device)
+        change[1:] = seq_idx[0, 1:] != seq_idx[0, :-1]
+        starts = change.nonzero().flatten()
+        found.append(("seq_idx", torch.cat([starts, starts.new_tensor([T])]).to(torch.long)))
+    if not found:
+        if max_length_q is not None or max_length_k is not None:
+            raise ValueError("max_length_q / max_length_k given without cu_seq_lens_q / cu_seq_lens_k")
+        return None
+    if B != 1:
+        raise ValueError(f"packed documents ({found[0][0]}) need the batch flattened to 1 row, got batch {B}")
+    name0, cu = found[0]
+    cu = cu.reshape(-1).to(torch.long)
+    if _compiling():
+        return cu
+    bounds = cu.tolist()
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name0} must rise from 0 to the {T} tokens of the packed row, got {bounds}")
+    for name, other in found[1:]:
+        if other.reshape(-1).tolist() != bounds:
+            raise ValueError(f"{name} {other.reshape(-1).tolist()} disagrees with {name0} {bounds}: causal "
+                             "self-attention packing has one set of document boundaries")
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        if value is not None and int(value) != longest:
+            raise ValueError(f"{name}={int(value)} but the longest packed document has {longest} tokens")
+    return cu
 
 
 
@@ -417,8 +465,12 @@ class KimiMLAttention(nn.Module):
     # the absorbed decode reads kv_b_proj.weight directly: fire its accelerate hook (CPU / disk offload)
     @force_accelerate_hooks("kv_b_proj")
     def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
-                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x [B, T, D]``; ``attn_mask`` bool ``[B, 1, T, T_keys]`` (True = attend) or None for plain causal."""
+                attn_mask: Optional[torch.Tensor] = None, output_attentions: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``x [B, T, D]``; ``attn_mask`` bool ``[B, 1, T, T_keys]`` (True = attend) or None for plain causal.
+
+        Returns ``(out [B, T, D], attn_weights)``: the attention probabilities ``[B, H, T, T_keys]`` (fp32 softmax in
+        the query dtype) when ``output_attentions``, computed by the explicit (eager) path; else None."""
         B, T, _ = x.shape
         H = self.num_heads
         if self.config.q_lora_rank is None:
@@ -433,14 +485,37 @@ class KimiMLAttention(nn.Module):
             latent = cache.mla_update(self.layer_idx, latent)
         absorbed = (cache is not None and not torch.is_grad_enabled() and T <= self.config.mla_absorb_max_q_len
                     and type(self.kv_b_proj) is nn.Linear and latent.shape[1] > T)
-        if absorbed:
+        weights = None
+        if output_attentions:
+            out, weights = self._attend_eager(q, latent, attn_mask)
+        elif absorbed:
             out = self._attend_latent(q, latent, attn_mask)
         else:
             out = self._attend_decompressed(q, latent, attn_mask)
         out = out.reshape(B, T, H * self.v_dim)
         if self.config.mla_use_output_gate:
             out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
+        return self.o_proj(out), weights
+
+    def _attend_eager(self, q, latent, attn_mask):
+        """Decompressed attention with explicit probabilities (``output_attentions``): ``q [B, T, H, nope + rope]``,
+        ``latent [B, S, r + rope]``, ``attn_mask`` as :meth:`forward` (or a ``CausalBias``). Returns
+        ``(out [B, T, H, v], probs [B, H, T, S])``; scores and softmax in fp32."""
+        B, T, H, _ = q.shape
+        S = latent.shape[1]
+        c_kv, k_pe = latent.split([self.r, self.rope], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(B, S, H, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, S, H, self.rope)], dim=-1)
+        scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scaling
+        if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":
+            attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
+        if attn_mask is None:
+            q_abs = torch.arange(T, device=q.device) + (S - T)
+            attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
+        probs = scores.masked_fill(~attn_mask, float("-inf")).softmax(-1).to(q.dtype)
+        out = torch.einsum("bhts,bshd->bthd", probs, v.to(probs.dtype))
+        return out, probs
 
     def _attend_decompressed(self, q, latent, attn_mask):
         B, T, H, _ = q.shape
@@ -541,16 +616,17 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
 
-    def _attend(self, x: torch.Tensor, attention_mask, cache, cu_seqlens) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, attention_mask, cache, cu_seqlens, output_attentions=False) -> torch.Tensor:
         if self.layer_type == LINEAR:
             return self.self_attn(x, cache, attention_mask, cu_seqlens)
-        return self.self_attn(x, cache, attention_mask)
+        # (the MLA module returns (out, probs or None): transformers' output capture records its probabilities)
+        return self.self_attn(x, cache, attention_mask, output_attentions)[0]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                **kwargs: Any) -> Tuple[torch.Tensor, ...]:
+                output_attentions: bool = False) -> Tuple[torch.Tensor, ...]:
         h = hidden_states
-        h = h + self._attend(self.input_layernorm(h), attention_mask, past_key_values, cu_seqlens)
+        h = h + self._attend(self.input_layernorm(h), attention_mask, past_key_values, cu_seqlens, output_attentions)
         return (h + self.mlp(self.post_attention_layernorm(h)),)
 
 
@@ -578,7 +654,7 @@ class KimiAttnResDecoderLayer(KimiDecoderLayer):
 
     def forward(self, hidden_states: torch.Tensor, *bank: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                **kwargs: Any) -> Tuple[torch.Tensor, ...]:
+                output_attentions: bool = False) -> Tuple[torch.Tensor, ...]:
         eps = self.config.rms_norm_eps
         p = hidden_states
         bank = list(bank)
@@ -589,7 +665,7 @@ class KimiAttnResDecoderLayer(KimiDecoderLayer):
         if self.layer_idx % self.config.attn_res_block_size == 0:
             bank.append(p)
             p = None
-        a = self._attend(self.input_layernorm(x_attn), attention_mask, past_key_values, cu_seqlens)
+        a = self._attend(self.input_layernorm(x_attn), attention_mask, past_key_values, cu_seqlens, output_attentions)
         p = a if p is None else p + a
         x_mlp = attn_res_mix(p, bank, direct_weight(self.mlp_res_proj, "mlp_res_proj", _ATTN_RES_WHY),
                              self.mlp_res_norm.weight, eps)
@@ -645,6 +721,20 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
     _is_stateful = False  # the cache can be cropped (assisted decoding), see KimiHybridCache.crop
+    # a static-cache decode step compiles to one graph (CPU and CUDA, MoE layers included) and exports
+    _can_compile_fullgraph = True
+    # what transformers' output capturing records (output_hidden_states / output_attentions / output_router_logits)
+    _can_record_outputs = {
+        "hidden_states": OutputRecorder(KimiDecoderLayer, index=0),
+        "attentions": OutputRecorder(KimiMLAttention, index=1),
+        "router_logits": OutputRecorder(KimiRouter, index=0),
+    }
+
+    def get_correct_experts_implementation(self, requested_experts: Optional[str]) -> str:
+        """transformers' choice of expert implementation, except that the default is ``"eager"``: this model's own
+        device paths (grouped GEMM on CUDA, expert GEMVs at decode, the capture-safe paths), not transformers'
+        ``grouped_mm``, which stays available on request."""
+        return super().get_correct_experts_implementation("eager" if requested_experts is None else requested_experts)
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
 
     @classmethod
@@ -739,6 +829,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @capture_outputs
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -747,21 +838,55 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         past_key_values: Optional[KimiHybridCache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional[KimiHybridCache] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        output_router_logits: Optional[bool] = None,
+        cu_seq_lens_q: Optional[torch.Tensor] = None,
+        cu_seq_lens_k: Optional[torch.Tensor] = None,
+        max_length_q: Optional[int] = None,
+        max_length_k: Optional[int] = None,
+        seq_idx: Optional[torch.Tensor] = None,
+        is_causal: Optional[bool] = None,
         **kwargs: Any,
-    ) -> Union[BaseModelOutputWithPast, Tuple]:
+    ) -> MoeModelOutputWithPast:
         """Args: ``input_ids [B, T]`` (or ``inputs_embeds [B, T, D]``); ``attention_mask [B, past + T]`` or
         ``[B, T]`` 0/1 (2-D only; pads anywhere); ``position_ids [B, T]`` (only used to detect packed documents:
-        a 0 after the first token starts a new one, when there is no mask and no cache); ``cu_seqlens [N + 1]``
-        packed boundaries for batch 1. A padded position changes no state and no real position's output; its own
-        output repeats that of the last real token before it in the same call (right-padded rows generate right).
-        Raises ValueError on a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given
-        cache, or a static cache that would overflow."""
+        a 0 after the first token starts a new one, when there is no mask and no cache); the cache as
+        ``past_key_values`` or ``cache`` (transformers >= 5.24's name; not both).
+
+        Packed documents (batch 1, no cache): ``cu_seqlens [N + 1]``, or transformers' flash-attention keywords
+        ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (equal: causal self-attention) with ``max_length_q`` / ``max_length_k``
+        (checked against the boundaries), or ``seq_idx [1, T]`` (document index per token); every path (KDA, its
+        short conv, MLA) keeps documents apart; empty documents are allowed.
+
+        Output flags (argument, else the config's field): ``output_hidden_states`` (embeddings + every layer, the
+        last one after the final norm), ``output_attentions`` (the MLA layers' probabilities ``[B, H, T, T_keys]``;
+        KDA layers have none), ``output_router_logits`` (``[B*T, E]`` fp32 per MoE layer); ``return_dict`` (else
+        the config's) False returns a tuple.
+
+        A padded position changes no state and no real position's output; its own output repeats that of the last
+        real token before it in the same call (right-padded rows generate right).
+
+        Raises:
+            TypeError: a keyword this model does not take (never silently ignored).
+            ValueError: a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given cache,
+                disagreeing packing keywords, ``is_causal=False``, or a static cache that would overflow.
+        """
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s) "
+                            f"{', '.join(sorted(kwargs))}; see the docstring for the accepted ones")
+        if is_causal is False:
+            raise ValueError("is_causal=False: this is a causal language model (KDA is a causal recurrence); "
+                             "bidirectional attention is not available")
         past_key_values = resolve_cache_arg(past_key_values, cache)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
+        B, T = inputs_embeds.shape[:2]
+        cu_seqlens = _packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                                         seq_idx, B, T)
+        if output_attentions is None:
+            output_attentions = bool(getattr(self.config, "output_attentions", False))
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -771,25 +896,20 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
             attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
 
-        all_hidden = [] if output_hidden_states else None
+        # (hidden states, attention maps and router logits are recorded by transformers' output capturing hooks on
+        # the decoder layers, the MLA modules and the routers: see _can_record_outputs)
         stream = (inputs_embeds,)  # (hidden states,), or K3's (partial block sum, *block bank)
         for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(stream[0])
             stream = layer(*stream, attention_mask=kda_mask if layer.layer_type == LINEAR else mla_mask,
-                           past_key_values=cache, cu_seqlens=kda_cu_seqlens)
+                           past_key_values=cache, cu_seqlens=kda_cu_seqlens, output_attentions=output_attentions)
         h = self.norm(self._exit_mix(stream))
         if kda_mask is not None:
             h = self._repeat_last_real(h, kda_mask, cache)
         if cache is not None and not cache.static:
             cache.last_hidden = h[:, -1].detach().clone()
-        if all_hidden is not None:
-            all_hidden.append(h)
         if cache is not None:
             cache.advance(h.shape[1])
-        out = BaseModelOutputWithPast(last_hidden_state=h, **cache_field(cache if use_cache else None),
-                                      hidden_states=tuple(all_hidden) if all_hidden is not None else None)
-        return out if return_dict is not False else out.to_tuple()
+        return MoeModelOutputWithPast(last_hidden_state=h, **cache_field(cache if use_cache else None))
 
     # -- forward steps, in call order -------------------------------------------------------------------------------
     def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
@@ -870,8 +990,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             kda_cu = _cu_seqlens_from_segments(segs, T)
             token_mask = None
         full_mask = token_mask
-        if token_mask is not None and not static and bool(token_mask.all()):
-            token_mask = None  # (static mode keeps the mask: pure tensor ops, no data-dependent branch)
+        # static mode and tracing (torch.compile / torch.export) keep the masks: pure tensor ops, no host read
+        traced = static or _compiling()
+        if token_mask is not None and not traced and bool(token_mask.all()):
+            token_mask = None
         if cache is not None:
             keys_valid = cache.update_key_mask(full_mask if full_mask is not None else
                                                torch.ones(B, T, dtype=torch.bool, device=device))
@@ -879,10 +1001,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             keys_valid = full_mask
         mla_mask = None
         need_mask = (static or segs is not None or past > 0
-                     or (keys_valid is not None and not bool(keys_valid.all())))
+                     or (keys_valid is not None and (traced or not bool(keys_valid.all()))))
         if FULL in self.config.layer_types and need_mask:
             if (T > 1 and past > 0 and segs is None and token_mask is None and not cache.static
-                    and bool(keys_valid.all())):
+                    and not traced and bool(keys_valid.all())):
                 # chunked prefill through a cache without padding: bottom-right causal, never materialised (SDPA
                 # runs it in its fused kernels; a dense [T, past + T] mask would not fit at long context)
                 from torch.nn.attention.bias import causal_lower_right
@@ -970,23 +1092,37 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
+        output_router_logits: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         cu_seqlens: Optional[torch.Tensor] = None,
         cache: Optional[KimiHybridCache] = None,
+        num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+        shift_labels: Optional[torch.LongTensor] = None,
+        ignore_index: Optional[int] = None,
         **kwargs: Any,
-    ) -> Union[CausalLMOutputWithPast, Tuple]:
-        """Returns ``logits [B, T_kept, V]`` (model dtype), ``loss`` (fp32 mean cross-entropy over labels != -100)
-        and the cache (``past_key_values``; transformers >= 5.24 names it ``cache``, both names are accepted). See
-        :meth:`KimiHybridModel.forward` for the inputs."""
-        past_key_values = resolve_cache_arg(past_key_values, cache)
-        kwargs.pop("cache_position", None)
-        for k in ("output_attentions", "num_items_in_batch_unused"):
-            kwargs.pop(k, None)
+    ) -> Union[MoeCausalLMOutputWithPast, Tuple]:
+        """Returns ``logits [B, T_kept, V]`` (model dtype), ``loss`` (fp32 mean cross-entropy over labels != -100;
+        ``num_items_in_batch`` / ``shift_labels`` / ``ignore_index`` as transformers' loss takes them), the cache
+        (``past_key_values``; transformers >= 5.24 names it ``cache``, both names are accepted), and what the output
+        flags ask for (see :meth:`KimiHybridModel.forward`, which also lists the packing keywords passed on in
+        ``kwargs``).
+
+        ``output_router_logits`` (argument, else ``config.output_router_logits``) also returns ``aux_loss``: the
+        load-balancing loss over the MoE layers (:meth:`router_aux_loss`), added to ``loss`` times
+        ``config.router_aux_loss_coef`` when ``labels`` are given.
+
+        Raises:
+            TypeError: a keyword this model does not take. ValueError: as :meth:`KimiHybridModel.forward`.
+        """
+        model_kwargs = {k: v for k, v in (("output_attentions", output_attentions),
+                                          ("output_hidden_states", output_hidden_states),
+                                          ("output_router_logits", output_router_logits)) if v is not None}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states, return_dict=True, cu_seqlens=cu_seqlens)
+                         past_key_values=resolve_cache_arg(past_key_values, cache), inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, return_dict=True, cu_seqlens=cu_seqlens, **model_kwargs, **kwargs)
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int):
             h = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
@@ -994,20 +1130,72 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             h = h[:, logits_to_keep]
         logits = self.lm_head(h)
         loss = None
-        if labels is not None:
-            loss_kw = {k: v for k, v in kwargs.items() if k in ("num_items_in_batch", "ignore_index", "shift_labels")}
+        if labels is not None or shift_labels is not None:
+            loss_kw = {k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels),
+                                         ("ignore_index", ignore_index)) if v is not None}
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kw)
-        res = CausalLMOutputWithPast(loss=loss, logits=logits, **cache_field(output_cache(out)),
-                                     hidden_states=out.hidden_states)
+        aux_loss = None
+        if out.router_logits:
+            aux_loss = self.router_aux_loss(out.router_logits, attention_mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        res = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_field(output_cache(out)),
+                                        hidden_states=out.hidden_states, attentions=out.attentions,
+                                        router_logits=out.router_logits)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
         return res if return_dict is not False else res.to_tuple()
 
+    def router_aux_loss(self, router_logits: Tuple[torch.Tensor, ...],
+                        attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Load-balancing loss of the MoE layers in transformers' (Switch / Mixtral) form:
+        ``E * sum_e f_e * P_e``, with ``f_e`` the fraction of (token, choice) slots routed to expert e (the experts
+        this model actually chose: correction bias and expert groups included) and ``P_e`` the mean routing
+        probability of e (softmax router: the softmax; sigmoid router: the sigmoid scores normalised per token),
+        both over every MoE layer's tokens, padding excluded. For a softmax router without correction bias or groups
+        it equals transformers' ``load_balancing_loss_func``. A perfectly uniform router scores ``top_k``.
+
+        Args:
+            router_logits: one ``[B*T, E]`` fp32 tensor per MoE layer (``output_router_logits``), in layer order.
+            attention_mask: ``[B, past + T]`` or ``[B, T]`` 0/1; its last T columns mark the real tokens.
+
+        Returns:
+            A scalar fp32 tensor (differentiable with respect to the router weights).
+        """
+        routers = [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, KimiMoE)]
+        if len(routers) != len(router_logits):
+            raise ValueError(f"got {len(router_logits)} router logit tensors for {len(routers)} MoE layers")
+        E, k = self.config.num_experts, self.config.num_experts_per_token
+        probs, chosen = [], []
+        for logits, router in zip(router_logits, routers):
+            logits = logits.float()
+            if self.config.moe_router_activation_func == "sigmoid":
+                scores = logits.sigmoid()
+                probs.append(scores / (scores.sum(-1, keepdim=True) + 1e-20))
+            else:
+                probs.append(logits.softmax(-1))
+            chosen.append(router.route(logits)[1].detach())
+        probs = torch.cat(probs)  # [L*N, E]
+        onehot = F.one_hot(torch.cat(chosen), E).float()  # [L*N, k, E]
+        if attention_mask is None:
+            slots, mean_prob = onehot.mean(0), probs.mean(0)
+        else:
+            N = router_logits[0].shape[0]
+            B = attention_mask.shape[0]
+            m = attention_mask[:, -(N // B):].reshape(-1).to(probs.device, torch.float32).repeat(len(routers))
+            slots = (onehot * m[:, None, None]).sum(0) / m.sum()
+            mean_prob = (probs * m[:, None]).sum(0) / m.sum()
+        return (slots * mean_prob.unsqueeze(0)).sum() * E
+
     # -- generation -------------------------------------------------------------------------------------------------
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
+                                      **kwargs):
         """transformers' default, but the 2-D padding mask is always passed through (our layers build their own
         KDA / MLA masks from it, also with a static cache). The cache comes as ``past_key_values`` (transformers
         <= 5.23) or ``cache`` (5.24 on) and is handed on under the installed transformers' name."""
         kwargs[GENERATION_CACHE_NAME] = resolve_cache_arg(past_key_values, kwargs.pop("cache", None))
-        inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
+                                                       inputs_embeds=inputs_embeds, **kwargs)
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         return inputs
@@ -1086,6 +1274,10 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
                 max_len = generation_config.max_length
             if getattr(generation_config, "max_cache_len", None):
                 max_len = max(max_len, generation_config.max_cache_len)
+            # transformers' rule (GenerationMixin._prepare_static_cache): never shrink below an earlier request's
+            # length, so a compiled decode step sees the same shapes and does not recompile for a shorter request
+            max_len = max(int(max_len), getattr(self, "_previous_max_cache_length", -1))
+            self._previous_max_cache_length = max_len
             model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config, max_cache_len=int(max_len))
         elif impl in (None, "dynamic"):
             model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config)

@@ -17,6 +17,7 @@ Kimi K3 (arXiv 2607.24653).
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import torch
@@ -24,6 +25,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .configuration_kimi_hybrid import KimiHybridConfig
+
+try:  # transformers' switch between expert implementations ("eager" = this file's paths, "batched_mm", "grouped_mm")
+    from transformers.integrations.moe import use_experts_implementation
+except ImportError:  # pragma: no cover - every transformers of the supported window has it
+    def use_experts_implementation(cls=None, **kwargs):  # noqa: D103
+        return cls if cls is not None else (lambda c: c)
 from .kda_kimi_hybrid import _compiling
 from .norms_kimi_hybrid import KimiRMSNorm
 
@@ -140,15 +147,36 @@ def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
         h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
         h = glu_act(config, h[:, :F_], h[:, F_:])
         return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
-    if xs.is_cuda and (_compiling() or torch.cuda.is_current_stream_capturing()):
-        # (under torch.compile too: the graph that a compiled CUDA-graph step warms up must be the one captured)
-        # CUDA-graph capture without the grouped GEMM (fp32, odd widths): no host read is allowed, so gather each
-        # row's expert weights and use batched products (decode-sized M only: it reads M expert matrices)
-        M = xs.shape[0]
-        eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
-        h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
-        h = glu_act(config, h[:, :F_], h[:, F_:])
-        return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
+    if _compiling() or (xs.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # torch.compile / torch.export (any device) and CUDA-graph capture: no host read of the token counts
+        if xs.is_cuda or torch.is_grad_enabled() and any(t.requires_grad for t in (xs, gate_up, down)):
+            # (CUDA: the graph that a compiled CUDA-graph step warms up must be the one captured; with autograd:
+            # differentiable) gather each row's expert weights and use batched products: reads M expert matrices,
+            # meant for decode-sized M
+            M = xs.shape[0]
+            eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
+            h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
+            h = glu_act(config, h[:, :F_], h[:, F_:])
+            return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
+        # CPU inference: the expert loop below as one opaque operator (a custom op: traced as a single node with a
+        # shape-only fake implementation), so the graph has no break and computes exactly what eager does
+        beta, beta_lin = _situ_betas(config)
+        return _routed_experts_op(xs, gate_up, down, counts, config.hidden_act, beta, beta_lin)
+    return _expert_loop(xs, gate_up, down, counts, lambda g, u: glu_act(config, g, u))
+
+
+def _situ_betas(config):
+    """(beta, beta_lin) of SiTU-GLU as floats for the custom op (-1.0 stands for None)."""
+    b = config.activation_situ_beta
+    bl = config.activation_situ_linear_beta
+    return (-1.0 if b is None else float(b)), (-1.0 if bl is None else float(bl))
+
+
+def _expert_loop(xs, gate_up, down, counts, act):
+    """The reference: one GEMM pair per expert that received tokens (``counts`` read once on the host).
+    ``xs [M, D]`` sorted by expert, ``gate_up [E, 2F, D]``, ``down [E, D, F]``, ``act(gate, up)``. Returns
+    ``[M, D]`` in xs.dtype."""
+    F_ = down.shape[2]
     out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
     n_of = counts.tolist()  # one host read; then only the experts that received tokens run
     start = 0
@@ -157,10 +185,41 @@ def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
             continue
         seg = xs[start:start + n]
         h = seg @ gate_up[e].t().to(seg.dtype)
-        h = glu_act(config, h[:, :F_], h[:, F_:])
+        h = act(h[:, :F_], h[:, F_:])
         out[start:start + n] = h @ down[e].t().to(h.dtype)
         start += n
     return out
+
+
+class _ActConfig:
+    """The activation fields :func:`glu_act` reads, rebuilt inside the custom op from plain values."""
+
+    def __init__(self, hidden_act, beta, beta_lin):
+        self.hidden_act = hidden_act
+        self.activation_situ_beta = None if beta < 0 else beta
+        self.activation_situ_linear_beta = None if beta_lin < 0 else beta_lin
+
+
+# one operator name per copy of this file (the installed package and a Hub copy loaded as remote code may both be
+# imported in one process, and an operator name can be registered once)
+_OP_NAME = "kimi_hybrid_moe::routed_experts_" + re.sub(r"\W", "_", __name__)
+
+
+def _routed_experts_impl(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
+                         hidden_act: str, beta: float, beta_lin: float) -> torch.Tensor:
+    cfg = _ActConfig(hidden_act, beta, beta_lin)
+    return _expert_loop(xs, gate_up, down, counts, lambda g, u: glu_act(cfg, g, u))
+
+
+def _routed_experts_fake(xs, gate_up, down, counts, hidden_act, beta, beta_lin):
+    return xs.new_empty(xs.shape[0], down.shape[1])
+
+
+try:
+    _routed_experts_op = torch.library.custom_op(_OP_NAME, mutates_args=())(_routed_experts_impl)
+    _routed_experts_op.register_fake(_routed_experts_fake)
+except (RuntimeError, ValueError):  # already registered by an earlier import of this very module (reload)
+    _routed_experts_op = getattr(getattr(torch.ops, _OP_NAME.split("::")[0]), _OP_NAME.split("::")[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,8 +245,13 @@ class KimiRouter(nn.Module):
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor):
-        c = self.config
         logits = F.linear(x.float(), self.weight.float())
+        w, idx = self.route(logits)
+        return logits, w, idx
+
+    def route(self, logits: torch.Tensor):
+        """The routing decision from ``logits [N, E]`` (fp32): ``(topk_weights [N, k] fp32, topk_idx [N, k])``."""
+        c = self.config
         scores = logits.sigmoid() if c.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
         choice = scores + self.e_score_correction_bias.float()
         G = c.num_expert_group if c.use_grouped_topk else 1
@@ -202,9 +266,10 @@ class KimiRouter(nn.Module):
         w = scores.gather(1, idx)
         if self.top_k > 1 and c.moe_renormalize:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return logits, w * c.routed_scaling_factor, idx
+        return w * c.routed_scaling_factor, idx
 
 
+@use_experts_implementation
 class KimiExperts(nn.Module):
     """Routed experts stored fused: ``gate_up_proj [E, 2F, D_e]`` (rows [:F] = w1 gate, [F:] = w3 up) and
     ``down_proj [E, D_e, F]`` (w2). Token-expert pairs are sorted by expert and each expert that received tokens
@@ -212,6 +277,10 @@ class KimiExperts(nn.Module):
     combine multiplies by the routing weight and sums in fp32, as the official code does.
 
     Input ``x [N, D_e]``, ``topk_idx / topk_w [N, k]``; output ``[N, D_e]`` in x.dtype.
+
+    ``config.experts_implementation`` (transformers' switch) picks this forward (``"eager"``, the default: the
+    device paths of this file) or transformers' ``"batched_mm"`` / ``"grouped_mm"`` over the same weights
+    (:meth:`_apply_gate` gives them this model's GLU).
     """
 
     def __init__(self, config: KimiHybridConfig, in_dim: int):
@@ -221,6 +290,11 @@ class KimiExperts(nn.Module):
         self.num_experts, self.intermediate = E, F_
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, in_dim))
         self.down_proj = nn.Parameter(torch.empty(E, in_dim, F_))
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        """This model's GLU on ``[S, 2F]`` (gate | up) for transformers' expert implementations: ``[S, F]``."""
+        F_ = self.intermediate
+        return glu_act(self.config, gate_up_out[..., :F_], gate_up_out[..., F_:])
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         N, k = topk_idx.shape
