@@ -465,12 +465,12 @@ class KimiMLAttention(nn.Module):
     # the absorbed decode reads kv_b_proj.weight directly: fire its accelerate hook (CPU / disk offload)
     @force_accelerate_hooks("kv_b_proj")
     def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
-                attn_mask: Optional[torch.Tensor] = None, output_attentions: bool = False
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                attn_mask: Optional[torch.Tensor] = None, output_attentions: bool = False):
         """``x [B, T, D]``; ``attn_mask`` bool ``[B, 1, T, T_keys]`` (True = attend) or None for plain causal.
 
-        Returns ``(out [B, T, D], attn_weights)``: the attention probabilities ``[B, H, T, T_keys]`` (fp32 softmax in
-        the query dtype) when ``output_attentions``, computed by the explicit (eager) path; else None."""
+        Returns ``out [B, T, D]``; with ``output_attentions`` the pair ``(out, probs)``: the attention probabilities
+        ``[B, H, T, T_keys]`` (fp32 softmax, cast to the query dtype) of the explicit (eager) path, which
+        transformers' output capturing records."""
         B, T, _ = x.shape
         H = self.num_heads
         if self.config.q_lora_rank is None:
@@ -495,7 +495,8 @@ class KimiMLAttention(nn.Module):
         out = out.reshape(B, T, H * self.v_dim)
         if self.config.mla_use_output_gate:
             out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out), weights
+        out = self.o_proj(out)
+        return (out, weights) if output_attentions else out
 
     def _attend_eager(self, q, latent, attn_mask):
         """Decompressed attention with explicit probabilities (``output_attentions``): ``q [B, T, H, nope + rope]``,
@@ -619,8 +620,9 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
     def _attend(self, x: torch.Tensor, attention_mask, cache, cu_seqlens, output_attentions=False) -> torch.Tensor:
         if self.layer_type == LINEAR:
             return self.self_attn(x, cache, attention_mask, cu_seqlens)
-        # (the MLA module returns (out, probs or None): transformers' output capture records its probabilities)
-        return self.self_attn(x, cache, attention_mask, output_attentions)[0]
+        if output_attentions:  # (out, probs): transformers' output capturing records the probabilities
+            return self.self_attn(x, cache, attention_mask, True)[0]
+        return self.self_attn(x, cache, attention_mask)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
