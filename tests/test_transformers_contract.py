@@ -274,6 +274,32 @@ def test_empty_document_inside_cu_seqlens(cu):
     assert maxdiff(out, ref) <= TOL
 
 
+def test_custom_4d_mask_shared_prefix_equals_separate_sequences():
+    """A 4-D mask of a shared prefix with three alternative endings (each sees the prefix and itself only) gives each
+    ending the logits of its own separate sequence: MLA applies the mask, KDA runs each query over exactly the
+    tokens it sees (the recurrence cannot skip keys otherwise). Bad 4-D masks are refused."""
+    model = tiny("tiny-kda-first")
+    prefix, ends = ids_of(1, 3, seed=12)[0], ids_of(3, seed=13)
+    ids = torch.cat([prefix, ends]).unsqueeze(0)
+    allowed = torch.ones(6, 6).tril()
+    allowed[4, 3] = allowed[5, 3] = allowed[5, 4] = 0
+    additive = (1 - allowed)[None, None] * torch.finfo(torch.float32).min
+    with torch.no_grad():
+        tree = model(ids, attention_mask=additive, use_cache=False).logits
+        for i in range(3):
+            alone = model(torch.cat([prefix, ends[i:i + 1]]).unsqueeze(0)).logits[0, -1]
+            assert maxdiff(tree[0, 3 + i], alone) <= TOL
+        assert maxdiff(model(ids, attention_mask=allowed.bool()[None, None]).logits, tree) <= TOL
+        with pytest.raises(ValueError, match="later"):
+            model(ids, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+        hidden = allowed.clone()
+        hidden[2, 2] = 0
+        with pytest.raises(ValueError, match="itself"):
+            model(ids, attention_mask=hidden.bool()[None, None])
+        with pytest.raises(ValueError, match="cache"):
+            model(ids, attention_mask=additive, past_key_values=KimiHybridCache(model.config))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # output flags
 # ------------------------------------------------------------------------------------------------------------------

@@ -12,8 +12,6 @@ Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-
 (arXiv 2607.24653, moonshotai/Kimi-K3); exact math in shared/docs/checkpoint-facts.md section 3 and k3-spec.md.
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os
@@ -48,6 +46,7 @@ from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
 from .kda_kimi_hybrid import short_conv_update
+# (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
 from .norms_kimi_hybrid import KimiGatedRMSNorm, KimiRMSNorm
 
@@ -156,6 +155,25 @@ def _cu_seqlens_from_segments(segs: torch.Tensor, T: int) -> torch.Tensor:
     change[1:] = flat[1:] != flat[:-1]
     starts = change.nonzero().flatten()
     return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
+
+
+def _visible_from_4d_mask(mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """``[B, T, T]`` bool (query t sees key s) from a 4-D attention mask ``[B or 1, 1, T, T]``: bool (True =
+    attend) or additive float (0 = attend, a large negative value = masked), as transformers' custom 4-D masks.
+
+    Raises ValueError for another shape, a query that sees a later key (this model is causal) or not itself (its
+    recurrent layers need the query token in its own sequence)."""
+    if mask.shape[1] != 1 or mask.shape[2:] != (T, T) or mask.shape[0] not in (1, B):
+        raise ValueError(f"a 4-D attention_mask must be [batch, 1, {T}, {T}] for {T} tokens, got {tuple(mask.shape)}")
+    visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] > torch.finfo(mask.dtype).min / 2
+    visible = visible.expand(B, T, T)
+    if not _compiling():
+        eye = torch.eye(T, dtype=torch.bool, device=mask.device)
+        if bool((visible & ~torch.ones_like(eye).tril()).any()):
+            raise ValueError("the 4-D attention_mask lets a token see a later one; this model is causal")
+        if not bool((visible | ~eye).all()):
+            raise ValueError("the 4-D attention_mask hides a token from itself; every query must see its own token")
+    return visible
 
 
 def _packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx, B: int,
@@ -272,8 +290,11 @@ class KimiDeltaAttention(nn.Module):
     @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
     def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
                 token_mask: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x [B, T, D]`` (after input_layernorm) -> ``[B, T, D]``."""
+        """``x [B, T, D]`` (after input_layernorm) -> ``[B, T, D]``. ``token_mask``: ``[B, T]`` bool (False =
+        pad), or ``[B, T, T]`` bool (query t sees key s) from a 4-D attention mask (tree attention)."""
         B, T, _ = x.shape
+        if token_mask is not None and token_mask.dim() == 3:
+            return self._forward_visible(x, token_mask)
         if cu_seqlens is not None:
             if cache is not None and cache.seen_tokens > 0:
                 raise ValueError("packed sequences (cu_seqlens / position_ids restarts) cannot continue a cache")
@@ -290,6 +311,21 @@ class KimiDeltaAttention(nn.Module):
         yc = self._forward_core(xc, cache, valid, lengths, None, perm=perm, token_mask=token_mask)
         y = torch.zeros_like(yc).scatter(1, perm.unsqueeze(-1).expand_as(yc), yc)
         return y * token_mask.unsqueeze(-1).to(y.dtype)
+
+    def _forward_visible(self, x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Tree attention (a 4-D mask, e.g. shared-prefix or speculative-tree verification): a recurrence has no
+        per-query key set, so each query's output is the layer run over exactly the tokens it sees, in order, from a
+        zero state (``visible [B, T, T]`` bool, each row ending at its own query). Exact; costs O(T^2) tokens of
+        work, meant for short trees. ``x [B, T, D]`` -> ``[B, T, D]``."""
+        B, T, _ = x.shape
+        rows = []
+        for b in range(B):
+            outs = []
+            for t in range(T):
+                idx = visible[b, t].nonzero().flatten()
+                outs.append(self._forward_core(x[b:b + 1, idx], None, None, None, None)[:, -1])
+            rows.append(torch.cat(outs, 0))
+        return torch.stack(rows, 0)
 
     def _forward_core(self, x, cache, valid, lengths, cu_seqlens, perm=None, token_mask=None):
         B, T, _ = x.shape
@@ -732,6 +768,13 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
         "router_logits": OutputRecorder(KimiRouter, index=0),
     }
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """True: the routed experts (``KimiExperts`` in moe_kimi_hybrid.py) carry transformers'
+        ``use_experts_implementation`` switch (transformers' default test looks for the decorator in this module's
+        source only)."""
+        return True
+
     def get_correct_experts_implementation(self, requested_experts: Optional[str]) -> str:
         """transformers' choice of expert implementation, except that the default is ``"eager"``: this model's own
         device paths (grouped GEMM on CUDA, expert GEMVs at decode, the capture-safe paths), not transformers'
@@ -892,11 +935,20 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        cache = self._prepare_cache(past_key_values, use_cache, inputs_embeds)
-        # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
-        # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
-        cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
-            attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            # a custom 4-D mask (tree attention): MLA applies it, KDA runs each query over the tokens it sees
+            if past_key_values is not None or cu_seqlens is not None:
+                raise ValueError("a 4-D attention_mask cannot be combined with a cache or packed documents: pass it "
+                                 "with use_cache=False and no cache (or give a 2-D padding mask instead)")
+            cache, kda_cu_seqlens = None, None
+            kda_mask = _visible_from_4d_mask(attention_mask, B, T)
+            mla_mask = kda_mask.unsqueeze(1)
+        else:
+            cache = self._prepare_cache(past_key_values, use_cache, inputs_embeds)
+            # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
+            # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
+            cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
+                attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
 
         # (hidden states, attention maps and router logits are recorded by transformers' output capturing hooks on
         # the decoder layers, the MLA modules and the routers: see _can_record_outputs)
@@ -905,7 +957,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             stream = layer(*stream, attention_mask=kda_mask if layer.layer_type == LINEAR else mla_mask,
                            past_key_values=cache, cu_seqlens=kda_cu_seqlens, output_attentions=output_attentions)
         h = self.norm(self._exit_mix(stream))
-        if kda_mask is not None:
+        if kda_mask is not None and kda_mask.dim() == 2:
             h = self._repeat_last_real(h, kda_mask, cache)
         if cache is not None and not cache.static:
             cache.last_hidden = h[:, -1].detach().clone()
