@@ -504,12 +504,17 @@ def test_static_cache_generate_reuses_its_length_and_does_not_recompile():
 # ------------------------------------------------------------------------------------------------------------------
 
 def test_model_row_output_batch_composition_bound():
-    """Whole model, fp32 CPU: a row's logits move by at most 1e-5 when other rows of its batch change (dense GEMMs
-    and SDPA pick their kernels by the total batch shape; see README "transformers compatibility")."""
+    """Whole model with MoE layers, fp32 CPU: a row's logits move by at most 1e-6 when the other rows of its batch
+    change (measured worst: 2.7e-7 on logits of magnitude ~0.6 over 1-7 other rows). Not bit-exact: CPU GEMMs (dense
+    projections as well as the experts, whose shapes follow the batch's routing) and SDPA pick their kernels by the
+    batch's shape; see README "transformers compatibility"."""
     model = tiny("tiny-kda-first")
-    x = ids_of(1, 9, seed=7)
-    others = ids_of(7, 9, seed=8)
-    with torch.no_grad():
-        alone = model(x).logits[0]
-        worst = max(maxdiff(model(torch.cat([others[:n], x])).logits[n], alone) for n in range(1, 8))
-    assert worst <= 1e-5
+    worst = 0.0
+    for seed in range(2):
+        x = ids_of(1, 16, seed=20 + seed)
+        others = ids_of(7, 16, seed=30 + seed)
+        with torch.no_grad():
+            alone = model(x).logits[0]
+            for n in range(1, 8):
+                worst = max(worst, maxdiff(model(torch.cat([others[:n], x])).logits[n], alone))
+    assert worst <= 1e-6
