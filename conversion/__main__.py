@@ -1,4 +1,4 @@
-"""Command line: `kimi-hybrid-convert` (console script) or `python -m conversion` from the repository root.
+"""Command line: `kimi-hybrid-convert` (console script) or `python -m kimi_hybrid.conversion`.
 
   kimi-hybrid-convert convert SRC OUT [--from auto|released|native|k3] [--overwrite] [--max-shard-size 5GB]
   kimi-hybrid-convert export  SRC OUT            ours -> released Kimi-Linear layout (vLLM / SGLang / llama.cpp)

@@ -1,7 +1,6 @@
 """The only place where the converters touch the model package (modeling_kimi_hybrid/, "the bundle").
 
-- `model_package()`: the bundle as an imported package -- `modeling_kimi_hybrid` beside this package in a source
-  checkout, or the installed `kimi_hybrid` (pip maps modeling_kimi_hybrid/ to kimi_hybrid/).
+- `model_package()`: the model package `kimi_hybrid` (pip maps modeling_kimi_hybrid/ to kimi_hybrid/).
 - `to_model_config(ours)`: our normalised config dict -> `KimiHybridConfig`, cross-checked (layer plan, KDA dims)
   against the converter's own reading, so the converter and the model can never disagree silently.
 - `write_model_config`: writes config.json as `KimiHybridConfig` serialises it and copies the bundle's flat .py
@@ -12,11 +11,8 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import shutil
-import sys
 
 from . import config_io
 
@@ -32,48 +28,25 @@ _MIRRORS = ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_size", "g
 
 
 def bundle_dir() -> str | None:
-    """Folder of the model bundle: modeling_kimi_hybrid/ beside this package (source checkout), else the installed
-    package folder that contains this package (site-packages/kimi_hybrid/)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for d in (os.path.join(os.path.dirname(here), "modeling_kimi_hybrid"), os.path.dirname(here)):
-        if os.path.isfile(os.path.join(d, "configuration_kimi_hybrid.py")):
-            return d
-    return None
+    """Folder of the model package's flat .py files: modeling_kimi_hybrid/ of the checkout in an editable install,
+    site-packages/kimi_hybrid/ in a regular one."""
+    from kimi_hybrid import configuration_kimi_hybrid
+
+    return os.path.dirname(os.path.abspath(configuration_kimi_hybrid.__file__))
 
 
 def model_package():
-    """Import and return the bundle package, or None when it is not available."""
-    d = bundle_dir()
-    if d is None:
-        return None
-    name = os.path.basename(d)
-    if name == "modeling_kimi_hybrid":
-        root = os.path.dirname(d)
-        if root not in sys.path:
-            sys.path.insert(0, root)
-    return importlib.import_module(name)
+    """The model package ``kimi_hybrid`` (this converter is its subpackage ``kimi_hybrid.conversion``)."""
+    import kimi_hybrid
+
+    return kimi_hybrid
 
 
 def config_class():
-    """KimiHybridConfig loaded from the bundle's configuration file alone (it imports only transformers'
-    PretrainedConfig), so converting does not pay for importing the model code. None without the bundle."""
-    global _CONFIG_CLASS
-    if _CONFIG_CLASS is None:
-        d = bundle_dir()
-        if d is None:
-            return None
-        name = os.path.basename(d)
-        mod = sys.modules.get(f"{name}.configuration_kimi_hybrid")
-        if mod is None:
-            spec = importlib.util.spec_from_file_location("_kimi_hybrid_configuration",
-                                                          os.path.join(d, "configuration_kimi_hybrid.py"))
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-        _CONFIG_CLASS = mod.KimiHybridConfig
-    return _CONFIG_CLASS
+    """KimiHybridConfig, the model's config class."""
+    from kimi_hybrid.configuration_kimi_hybrid import KimiHybridConfig
 
-
-_CONFIG_CLASS = None
+    return KimiHybridConfig
 
 
 def bundle_files(d: str) -> list[str]:

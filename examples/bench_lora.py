@@ -32,15 +32,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LIN, FULL = "linear_attention", "full_attention"
 
@@ -49,7 +46,7 @@ def build_configs(args):
     """Our config and the equivalent transformers ``KimiLinearConfig``."""
     from transformers import KimiLinearConfig
 
-    from modeling_kimi_hybrid import KimiHybridConfig
+    from kimi_hybrid import KimiHybridConfig
 
     layer_types = [LIN] * (args.layers - 1) + [FULL]
     mlp_types = ["sparse"] * args.layers
@@ -83,8 +80,8 @@ def build_models(args, device, dtype):
     """Native model with random weights on ``device``; ours sharing its tensors."""
     from transformers import KimiLinearForCausalLM
 
-    from conversion.native import native_state_dict_to_ours
-    from modeling_kimi_hybrid import KimiHybridForCausalLM
+    from kimi_hybrid.conversion.native import native_state_dict_to_ours
+    from kimi_hybrid import KimiHybridForCausalLM
 
     ours_cfg, native_cfg = build_configs(args)
     torch.manual_seed(0)
@@ -118,7 +115,7 @@ def parity(ours, native, ids):
 def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None):
     from peft import get_peft_model
 
-    from app.lora import enable_gradient_checkpointing, recommended_lora_config
+    from kimi_hybrid.app.lora import enable_gradient_checkpointing, recommended_lora_config
 
     lc = recommended_lora_config(cfg, r=args.rank, alpha=2 * args.rank, include_experts=not args.no_experts)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -193,7 +190,7 @@ def environment(device):
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
-        from modeling_kimi_hybrid.kda_kimi_hybrid import fla_available
+        from kimi_hybrid.kda_kimi_hybrid import fla_available
 
         info["kimi_hybrid_uses_fla"] = bool(fla_available()) and device.type == "cuda"
     except Exception:  # noqa: BLE001
@@ -235,7 +232,7 @@ def main(argv=None):
                          "seconds instead of minutes; both models run the same untuned FLA kernels")
     args = ap.parse_args(argv)
     if args.one_config_autotune:
-        from kernels.testing import limit_triton_autotuning
+        from kimi_hybrid.kernels.testing import limit_triton_autotuning
 
         limit_triton_autotuning()
     start = time.perf_counter()

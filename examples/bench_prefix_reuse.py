@@ -27,13 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import transformers
+
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402,F401
 
 
 def git_commit() -> dict:

@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tok_import import load_tokenizer_module  # noqa: E402
+from kimi_hybrid import tokenization_kimi_hybrid
 
 SEPARATOR_RE = re.compile(r"\n# <file: ([^>\n]*)>\n")
 
@@ -46,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--out", default="data")
     args = parser.parse_args(argv)
 
-    tk = load_tokenizer_module()
+    tk = tokenization_kimi_hybrid
     tok = tk.KimiHybridTokenizer.from_pretrained(args.tokenizer)
     if tok.vocab_size > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"vocab_size {tok.vocab_size} does not fit uint16")

@@ -47,13 +47,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid.modeling_kimi_hybrid import KimiRouter
+from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
 
-from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
-from modeling_kimi_hybrid.modeling_kimi_hybrid import KimiRouter  # noqa: E402
-from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 KDA, MLA = "linear_attention", "full_attention"
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")

@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Test the converter of THIS checkout (an installed kimi_hybrid may be an editable install of another worktree).
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-import conversion  # noqa: E402,F401
 
 
 def tiny_released_config(**over) -> dict:

@@ -3,20 +3,15 @@ with FSDP2 (``fully_shard`` per decoder layer + root) over CPU processes (gloo);
 LoRA gradients to ``argv[1]``."""
 
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-import modeling_kimi_hybrid  # noqa: E402,F401
-from app.lora import enable_gradient_checkpointing, recommended_lora_config  # noqa: E402
-from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
+from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid.app.lora import enable_gradient_checkpointing, recommended_lora_config
 
 
 def build():

@@ -15,11 +15,11 @@ from conversion_fixtures import (
     write_checkpoint,
 )
 
-import conversion
-from conversion import config_io
-from conversion.__main__ import main as cli_main
-from conversion.convert import convert_checkpoint
-from conversion.inventory import inventory
+from kimi_hybrid import conversion
+from kimi_hybrid.conversion import config_io
+from kimi_hybrid.conversion.__main__ import main as cli_main
+from kimi_hybrid.conversion.convert import convert_checkpoint
+from kimi_hybrid.conversion.inventory import inventory
 
 PRESET = "kimi-linear-48b-a3b-instruct"
 

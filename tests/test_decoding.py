@@ -23,7 +23,7 @@ import copy
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 
 from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
 

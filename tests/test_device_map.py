@@ -15,8 +15,8 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate import infer_auto_device_map, init_empty_weights  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
-from modeling_kimi_hybrid.cache_kimi_hybrid import KDALayerCache  # noqa: E402
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
+from kimi_hybrid.cache_kimi_hybrid import KDALayerCache  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

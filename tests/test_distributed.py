@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,7 @@ def _port():
 
 
 def _torchrun(args, env_extra=None, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.update(env_extra or {})
     for attempt in range(2):  # a second try on a fresh port: the free port picked here can be taken meanwhile
         cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_port())] + args
@@ -49,7 +48,7 @@ def _torchrun(args, env_extra=None, timeout=240):
 
 def test_accelerate_config_is_fsdp2_per_decoder_layer():
     yaml = pytest.importorskip("yaml")
-    from modeling_kimi_hybrid import KimiHybridForCausalLM
+    from kimi_hybrid import KimiHybridForCausalLM
 
     cfg = yaml.safe_load((ROOT / "examples" / "accelerate_fsdp2.yaml").read_text())
     assert cfg["distributed_type"] == "FSDP"
@@ -61,8 +60,7 @@ def test_accelerate_config_is_fsdp2_per_decoder_layer():
 
 @needs_torchrun
 def test_fsdp2_lora_grads_match_single_process(tmp_path):
-    sys.path.insert(0, str(ROOT / "tests"))
-    import fsdp2_lora_worker as w
+    import fsdp2_lora_worker as w  # tests/ is on sys.path as the folder of the test modules (pytest's rootdir rule)
 
     _torchrun([str(ROOT / "tests" / "fsdp2_lora_worker.py"), str(tmp_path / "g.pt")])
     got = torch.load(tmp_path / "g.pt")
@@ -83,7 +81,7 @@ def test_fsdp2_lora_grads_match_single_process(tmp_path):
 def test_train_lora_fsdp_example_two_processes(tmp_path):
     from peft import PeftModel
 
-    from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+    from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
 
     _torchrun([str(ROOT / "examples" / "train_lora_fsdp.py"), "--preset", "tiny-kda-first", "--synthetic",
                "--synthetic-pool", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "8", "--lr", "2e-2",

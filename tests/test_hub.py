@@ -27,9 +27,9 @@ from unittest import mock
 import pytest
 import torch
 
-from app import hub
-from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
-from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from kimi_hybrid.app import hub
+from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "modeling_kimi_hybrid"

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import modeling_kimi_hybrid.modeling_kimi_hybrid as mk
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+import kimi_hybrid.modeling_kimi_hybrid as mk
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -356,7 +356,7 @@ def test_kda_gate_forms():
     H, K = 4, 16
     g_raw = torch.randn(3, 5, H, K, generator=gen) * 3
     A_log, dt = torch.randn(H, generator=gen), torch.randn(H * K, generator=gen)
-    from modeling_kimi_hybrid.kda_kimi_hybrid import kda_gate
+    from kimi_hybrid.kda_kimi_hybrid import kda_gate
     lb_cfg = KimiHybridConfig.from_preset("tiny-k3")
     sp_cfg = KimiHybridConfig.from_preset("tiny-k3-softplus")
     assert lb_cfg.gate_lower_bound == -5.0 and sp_cfg.gate_lower_bound is None
@@ -1028,7 +1028,7 @@ def test_k3_cache_memory_at_128k():
 # ================================================================================================================
 
 def test_k3_chat_round_trip_through_generate():
-    from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+    from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
     tok = KimiHybridTokenizer(str(ROOT / "models" / "kimi-hybrid-stdlib" / "tiktoken.model"), chat_format="kimi-k3")
     eom = tok.convert_tokens_to_ids("<|end_of_msg|>")
     model = tiny_model("tiny-k3", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=eom,

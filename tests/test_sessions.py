@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 
 from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
-from modeling_kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION
+from kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
@@ -171,10 +171,9 @@ def test_save_load_roundtrip_and_refusals(preset, tmp_path):
 _CHILD = r"""
 import json, sys
 import torch
-sys.path.insert(0, sys.argv[1])
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 results = {}
-for job in json.loads(sys.argv[2]):
+for job in json.loads(sys.argv[1]):
     model = KimiHybridForCausalLM.from_pretrained(job["model"]).eval()
     cache = KimiHybridCache.load(job["cache"], model.config)
     seq = torch.tensor(job["sequences"])
@@ -200,7 +199,7 @@ def test_resume_after_reload_in_a_new_process(tmp_path):
                      "sequences": first.sequences.tolist()})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), json.dumps(jobs)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(jobs)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import base64
 import importlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,23 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models" / "kimi-hybrid-stdlib"
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# The package __init__ belongs to the main branch; import the flat file by path (the import name used elsewhere is
-# modeling_kimi_hybrid.tokenization_kimi_hybrid, which works once the package exists).
-try:
-    import modeling_kimi_hybrid.tokenization_kimi_hybrid as tk  # noqa: E402
-except ImportError:
-    tk = _load("tokenization_kimi_hybrid", ROOT / "modeling_kimi_hybrid" / "tokenization_kimi_hybrid.py")
-corpus = _load("prepare_stdlib_corpus", ROOT / "examples" / "prepare_stdlib_corpus.py")
+import kimi_hybrid.tokenization_kimi_hybrid as tk  # noqa: E402
+import prepare_stdlib_corpus as corpus  # noqa: E402  (examples/ is on the test path: pyproject's pytest pythonpath)
 
 KimiHybridTokenizer = tk.KimiHybridTokenizer
 
@@ -540,7 +523,7 @@ def test_autotokenizer_remote_code(tmp_path):
 
 
 def test_register_tokenizer_with_config_package(tmp_path, monkeypatch):
-    # Simulate main's package layout: a package with a configuration_kimi_hybrid.KimiHybridConfig beside us.
+    # Simulate a bundle folder: a package with a configuration_kimi_hybrid.KimiHybridConfig beside the tokenizer.
     import shutil
 
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING

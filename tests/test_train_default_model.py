@@ -3,29 +3,15 @@ examples/ablation_ratio.py (no training run: that is a GPU job)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import train_default_model as tdm  # examples/ is on the test path (pyproject's pytest pythonpath)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "examples"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tdm = _load("train_default_model")
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +80,7 @@ def test_evaluate_matches_model_loss(tokenizer):
 
 
 def test_ablation_arms_have_equal_budget(tokenizer):
-    abl = _load("ablation_ratio")
+    import ablation_ratio as abl
     arms = abl.arms(tokenizer)
     h, m = arms["hybrid_3to1"], arms["all_mla"]
     assert h.layer_types.count(tdm.MLA) == 2 and m.layer_types.count(tdm.MLA) == 8

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
-from modeling_kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import modeling_kimi_hybrid as mk
 
 warnings.filterwarnings("ignore")
 
@@ -96,7 +96,7 @@ def test_expert_fallback_vs_reference():
 
 
 def test_static_cache_copy_and_prefill_to_static():
-    from kernels.cuda_graph import prefill_to_static
+    from kimi_hybrid.kernels.cuda_graph import prefill_to_static
 
     cfg = KimiHybridConfig.from_preset("tiny-mla-first")
     torch.manual_seed(3)
