@@ -26,11 +26,12 @@ import json, sys, torch
 from kimi_hybrid import KimiHybridConfig
 from kimi_hybrid import kda_kimi_hybrid as kk
 from kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid.kernels import kda_decode
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-out = {"kda": [], "moe": [], "flags": [kk._TRITON, mk._MOE_TRITON]}
+out = {"kda": [], "moe": [], "flags": [kda_decode.TRITON_AVAILABLE, mk._MOE_TRITON]}
 for (B, T, H, K, V, l2) in [(2, 1, 4, 64, 64, True), (1, 3, 2, 32, 48, True), (2, 2, 3, 100, 20, False),
                             (1, 1, 2, 128, 128, True)]:
     g = torch.Generator().manual_seed(B * 10 + T)
@@ -40,7 +41,7 @@ for (B, T, H, K, V, l2) in [(2, 1, 4, 64, 64, True), (1, 3, 2, 32, 48, True), (2
                        torch.randn(H * K, generator=g))
     beta = torch.rand(B, T, H, generator=g)
     h0 = torch.randn(B, H, K, V, generator=g) * 0.1
-    o, s = kk.kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2, block_v=16)
+    o, s = kda_decode.kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2, block_v=16)
     o_ref, s_ref = kk.recurrent_kda_ref(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
                                         use_qk_l2norm_in_kernel=l2)
     out["kda"].append([rel(o, o_ref), rel(s, s_ref), list(o.shape) == list(o_ref.shape)])

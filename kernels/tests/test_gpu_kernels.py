@@ -15,6 +15,7 @@ import torch
 
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid import kda_kimi_hybrid as kk
+from kimi_hybrid.kernels.kda_decode import kda_decode_triton
 from kimi_hybrid import modeling_kimi_hybrid as mk
 
 warnings.filterwarnings("ignore")
@@ -111,7 +112,7 @@ def test_kda_decode_triton_vs_ref(B, T, H, K, V, dtype, l2):
     beta = torch.rand(B, T, H, device="cuda", generator=g_).to(dtype)
     h0 = torch.randn(B, H, K, V, device="cuda", generator=g_) * 0.1
     with torch.no_grad():
-        o, ht = kk.kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2)
+        o, ht = kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2)
         o_ref, ht_ref = kk.recurrent_kda_ref(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
                                              use_qk_l2norm_in_kernel=l2)
         o_d, ht_d = kk.kda_recurrent(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
@@ -126,10 +127,10 @@ def test_kda_decode_triton_vs_ref(B, T, H, K, V, dtype, l2):
 def test_kda_decode_triton_is_graph_capturable():
     q, k, v, g, beta, h0 = kda_inputs(1, 1, 8, 128, 128, seed=5, state=True)
     with torch.no_grad():
-        kk.kda_decode_triton(q, k, v, g, beta, h0)  # compile outside the capture
+        kda_decode_triton(q, k, v, g, beta, h0)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o, ht = kk.kda_decode_triton(q, k, v, g, beta, h0)
+            o, ht = kda_decode_triton(q, k, v, g, beta, h0)
         graph.replay()
         o_ref, ht_ref = kk.recurrent_kda_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                              use_qk_l2norm_in_kernel=True)
