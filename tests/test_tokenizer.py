@@ -295,7 +295,8 @@ def test_save_load_round_trip(tok, tok_k3, tmp_path):
 
 def test_shipped_config_files():
     config = json.loads((SHIPPED / "tokenizer_config.json").read_text())
-    assert config["auto_map"] == {"AutoTokenizer": ["tokenization_kimi_hybrid.KimiHybridTokenizer", None]}
+    # no code in the shipped folder, so no auto_map (save_pretrained writes both into folders that leave the repo)
+    assert "auto_map" not in config and config["tokenizer_class"] == "KimiHybridTokenizer"
     assert len(config["added_tokens_decoder"]) == 256
     assert config["added_tokens_decoder"]["8194"]["content"] == "<|im_end|>"
     assert config["chat_template"] == tk.KIMI_LINEAR_CHAT_TEMPLATE
