@@ -2,8 +2,8 @@
 """PEFT LoRA for KimiHybrid models (Kimi-Linear-48B-A3B, the Kimi K3 text backbone): the recommended
 ``LoraConfig``, a target check, and the few helpers a training script needs.
 
-Everything here is plain PEFT / transformers; the model code holds no LoRA logic (DESIGN.md: "Model code holds no
-infrastructure").
+Everything here is plain PEFT / transformers; the model code holds no LoRA logic (training
+infrastructure stays out of the model code).
 
 What :func:`recommended_lora_config` targets (PEFT matches ``target_modules`` by name suffix):
 

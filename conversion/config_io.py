@@ -20,7 +20,7 @@ import copy
 import json
 import os
 
-# The 43 top-level keys of the released Kimi-Linear-48B-A3B config.json (checkpoint-facts section 1), sorted.
+# The 43 top-level keys of the released Kimi-Linear-48B-A3B config.json (docs/checkpoint-format.md section 1), sorted.
 RELEASED_KEYS = [
     "architectures", "auto_map", "bos_token_id", "dtype", "eos_token_id", "first_k_dense_replace", "head_dim",
     "hidden_act", "hidden_size", "initializer_range", "intermediate_size", "kv_lora_rank", "linear_attn_config",
@@ -36,7 +36,7 @@ RELEASED_AUTO_MAP = {
     "AutoModel": "modeling_kimi.KimiLinearModel",
     "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM",
 }
-# Defaults of the released remote `configuration_kimi.py` for keys a config may omit (checkpoint-facts section 1).
+# Defaults of the released remote `configuration_kimi.py` for keys a config may omit (docs/checkpoint-format.md section 1).
 RELEASED_DEFAULTS = {
     "vocab_size": 163840, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
     "num_attention_heads": 32, "rms_norm_eps": 1e-6, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

@@ -1,6 +1,6 @@
 """Plain-torch reference dequantizer for Kimi K3's MXFP4 routed experts (compressed-tensors `mxfp4-pack-quantized`).
 
-Layout (docs k3-spec section 6; OCP Microscaling spec v1.0):
+Layout (docs/k3.md section 6; OCP Microscaling spec v1.0):
 - `weight_packed` uint8 [out, in/2]: two E2M1 codes per byte along the INPUT (last) dim; the LOW nibble holds the
   even (earlier) column, the high nibble the odd column.
 - E2M1 code: bit 3 = sign, bits 0-2 index the magnitudes [0, 0.5, 1, 1.5, 2, 3, 4, 6].

@@ -7,7 +7,7 @@ Every released field keeps its released name; the layer plan is held in ``layer_
 "full_attention" = MLA) and ``mlp_layer_types`` ("dense" / "sparse"), and the released 1-based
 ``linear_attn_config.kda_layers / full_attn_layers`` lists are read into them (and written back on export).
 
-Facts: ``shared/docs/checkpoint-facts.md`` (Kimi-Linear) and ``shared/docs/k3-spec.md`` (K3).
+Formats: ``docs/checkpoint-format.md`` (Kimi-Linear) and ``docs/k3.md`` (K3).
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ _ACTS = ("silu", "situ")
 class KimiHybridConfig(PretrainedConfig):
     r"""Configuration for :class:`KimiHybridForCausalLM` (Kimi-Linear and the Kimi K3 text backbone).
 
-    Field names follow the released Kimi-Linear ``config.json`` (checkpoint-facts section 1) and the K3
-    ``text_config`` (k3-spec). Layer plan:
+    Field names follow the released Kimi-Linear ``config.json`` (docs/checkpoint-format.md section 1) and the K3
+    ``text_config`` (docs/k3.md section 1). Layer plan:
 
     * ``layer_types``: list of "linear_attention" (KDA) / "full_attention" (MLA), one per layer (0-based). If absent
       it is read from the released 1-based ``linear_attn_config["kda_layers"]`` / ``["full_attn_layers"]``.

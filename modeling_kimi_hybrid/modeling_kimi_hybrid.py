@@ -9,7 +9,7 @@ output gates, low-rank MLA query with a sigmoid output gate, latent MoE, SiTU-GL
 (AttnRes).
 
 Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-A3B-{Base,Instruct}); Kimi K3
-(arXiv 2607.24653, moonshotai/Kimi-K3); exact math in shared/docs/checkpoint-facts.md section 3 and k3-spec.md.
+(arXiv 2607.24653, moonshotai/Kimi-K3); exact math in docs/kda.md, docs/mla.md, docs/moe.md and docs/k3.md.
 """
 
 from __future__ import annotations
@@ -818,7 +818,7 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
             h = hidden_states
             h = h + self._attn(self.input_layernorm(h), cache, ctx)
             return h + self.mlp(self.post_attention_layernorm(h)), None
-        # K3 AttnRes (k3-spec section 1.3)
+        # K3 AttnRes (docs/k3.md section 2)
         eps = self.config.rms_norm_eps
         p = hidden_states
         bank = list(bank)

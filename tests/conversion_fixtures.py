@@ -1,5 +1,5 @@
 """Synthetic checkpoints for the conversion tests, written by hand from the published layouts
-(shared/docs/checkpoint-facts.md section 2, k3-spec.md sections 6-7) -- deliberately NOT through the converter's
+(docs/checkpoint-format.md section 2, docs/k3.md sections 6-7) -- deliberately NOT through the converter's
 own plan code, so that a naming mistake in the converter cannot hide behind the same mistake in the fixture.
 Files are written with the `safetensors` library (an implementation independent of ours).
 """

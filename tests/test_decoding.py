@@ -6,7 +6,7 @@ AttnRes); the torch.compile test runs on "tiny-mla-first" only. Tolerances: logi
 sums of a few log-probabilities (beam scores) <= 1e-4; gradients <= 1e-5 relative to their scale. Generated token
 ids must be identical.
 
-Covered (issue 3): beam search (sequences == no-cache beam search, ``sequences_scores`` == no-cache log-probs of each
+Covered: beam search (sequences == no-cache beam search, ``sequences_scores`` == no-cache log-probs of each
 returned beam / length ** length_penalty), sampling with ``num_return_sequences`` (top_k=1 == greedy; every step's
 logits == no-cache recompute of its own row; same seed with and without cache gives the same samples),
 ``batch_repeat_interleave`` / ``batch_select_indices``, multi-turn continuation from a returned cache, assisted decoding

@@ -1,4 +1,4 @@
-"""Big-model placement (issue 9): ``device_map`` splits at decoder layers, CPU / disk offload gives the same tokens,
+"""Big-model placement: ``device_map`` splits at decoder layers, CPU / disk offload gives the same tokens,
 and (on a machine with 2+ GPUs) a layer split over GPUs keeps every cache tensor on its layer's device.
 
 CPU checks: accelerate's ``infer_auto_device_map`` on the full 48B-A3B shape (meta weights, bf16) with two

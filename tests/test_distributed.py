@@ -1,11 +1,11 @@
-"""Distributed LoRA (issue 9) on what this machine has: FSDP2 over 2 CPU processes (gloo).
+"""Distributed LoRA on what this machine has: FSDP2 over 2 CPU processes (gloo).
 
 * FSDP2-sharded LoRA (``fully_shard`` per KimiDecoderLayer, PEFT ``target_parameters`` on the fused experts,
   gradient checkpointing) gives the loss and LoRA gradients of the unsharded model (rel 1e-5).
 * ``examples/train_lora_fsdp.py`` end to end under ``torchrun`` (2 processes): FSDP2 units, loss falls on a small
   memorisable pool, the adapter (gathered LoRA weights only) saves and loads.
 * ``examples/accelerate_fsdp2.yaml`` names FSDP2 and the model's no-split unit.
-GPU runs (accelerate + FSDP2 on 2 H200) were not made; see docs/serving.md and the report.
+GPU runs (accelerate + FSDP2 on 2 H200) were not made; see docs/serving.md.
 """
 
 from __future__ import annotations

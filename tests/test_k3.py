@@ -1,5 +1,5 @@
-"""Kimi K3 text backbone (issue 6): each K3 module and the whole tiny K3 forward against an explicit restatement of
-shared/docs/k3-spec.md written here (independent of the model code), the K3 dtype rules, the K3 preset, cache /
+"""Kimi K3 text backbone: each K3 module and the whole tiny K3 forward against an explicit restatement of
+docs/k3.md written here (independent of the model code), the K3 dtype rules, the K3 preset, cache /
 generation equivalences on tiny K3 configs, the full-preset cache memory at 128,000 tokens, and a K3 chat round trip.
 
 The reference functions below (``ref_*``) read only tensors of the model's ``state_dict`` and the config's numbers;
@@ -36,7 +36,7 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 
 # ================================================================================================================
-# the spec, restated (k3-spec sections 1-5); plain fp32 torch, no model code
+# the spec, restated (docs/k3.md sections 2-5); plain fp32 torch, no model code
 # ================================================================================================================
 
 REF_DTYPE = torch.float32  # the reference computes in this dtype (float64 to measure the model's own rounding)
@@ -565,7 +565,7 @@ def test_whole_model_matches_reference(preset):
 
 
 def test_output_hidden_states_are_prefix_sums():
-    """Each recorded state is the partial block sum entering the layer (k3-spec 1.3), the last one the normed exit."""
+    """Each recorded state is the partial block sum entering the layer (docs/k3.md section 2), the last one the normed exit."""
     model = tiny_model("tiny-k3")
     ids = ids_for(model.config, 1, 4)
     with torch.no_grad():
@@ -590,7 +590,7 @@ def test_gradient_checkpointing_keeps_attn_res_gradients(reentrant):
     loss.backward()
     want = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     # no gradient: the correction bias (a buffer-like parameter) and layer 0's attention-side AttnRes pair (the mix
-    # is skipped there, k3-spec 1.3)
+    # is skipped there, docs/k3.md section 2)
     assert sorted(n for n, g in want.items() if g is None) == sorted(
         [n for n in want if n.endswith("e_score_correction_bias")]
         + ["model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"])
@@ -727,7 +727,7 @@ def test_k3_preset_values():
 
 
 def test_k3_preset_shapes_and_parameter_count():
-    """Built on the meta device (nothing allocated): the k3-spec section 7 shapes, and the logical parameter total
+    """Built on the meta device (nothing allocated): the docs/k3.md section 7 shapes, and the logical parameter total
     2,779,484,478,208 minus the 32 zero-padding A_log entries the checkpoint stores per KDA layer (69 x 32)."""
     cfg = KimiHybridConfig.from_preset("kimi-k3")
     with torch.device("meta"):
@@ -767,7 +767,7 @@ def test_k3_preset_shapes_and_parameter_count():
 
 
 def _released_k3_config():
-    """A K3 top-level config.json as described by checkpoint-facts section 6 (text_config values of the table)."""
+    """A K3 top-level config.json as described by docs/k3.md section 1 (text_config values of the table)."""
     full = list(range(4, 93, 4)) + [93]
     text = {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],

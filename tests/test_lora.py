@@ -1,4 +1,4 @@
-"""PEFT LoRA on KimiHybrid (issue 7): targets, CPU training, fast paths with adapters, save / load / merge.
+"""PEFT LoRA on KimiHybrid: targets, CPU training, fast paths with adapters, save / load / merge.
 
 All CPU, fp32, tiny random configs (``tiny-kda-first``: 3 KDA + 1 MLA with MoE; ``tiny-mla-first``; ``tiny-k3``).
 Tolerances are stated per test. GPU variants at the end skip without CUDA.

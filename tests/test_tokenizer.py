@@ -2,8 +2,8 @@
 
 CPU only, no network. The released Kimi `tiktoken.model` cannot be downloaded here, so a synthetic file with the
 released rank count (163584) stands in for it: the ids of the specials depend only on that count and on the names
-in tokenizer_config.json, and they are checked against the table of docs/checkpoint-facts.md section 5 and
-docs/k3-spec.md section 8.
+in tokenizer_config.json, and they are checked against the table of docs/checkpoint-format.md section 4 and
+docs/k3.md section 8.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import prepare_stdlib_corpus as corpus  # noqa: E402  (examples/ is on the test 
 KimiHybridTokenizer = tk.KimiHybridTokenizer
 
 RELEASED_RANKS = 163584
-# docs/checkpoint-facts.md section 5 (Kimi-Linear / K2).
+# docs/checkpoint-format.md section 4 (Kimi-Linear / K2).
 RELEASED_K2_IDS = {
     "[BOS]": 163584,
     "[EOS]": 163585,
@@ -46,7 +46,7 @@ RELEASED_K2_IDS = {
     "[UNK]": 163838,
     "[PAD]": 163839,
 }
-# docs/k3-spec.md section 8 (K3 XTML).
+# docs/k3.md section 8 (K3 XTML).
 RELEASED_K3_IDS = {
     "[BOS]": 163584,
     "[EOS]": 163585,
