@@ -440,17 +440,3 @@ class KimiHybridConfig(PretrainedConfig):
                     setattr(cfg, k, v)
                 return cfg
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-    def to_released_dict(self) -> Dict[str, Any]:
-        """The released Kimi-Linear ``config.json`` form (model_type "kimi_linear", 1-based lists, ``dtype``)."""
-        d = self.to_dict()
-        for k in ("layer_types", "mlp_layer_types", "mla_absorb_max_q_len", "kda_record_max_tokens",
-                  "auto_map", "architectures", "transformers_version", "torch_dtype", "dtype"):
-            d.pop(k, None)
-        d["model_type"] = "kimi_linear"
-        d["rope_theta"] = d.pop("released_rope_theta", 10000.0)
-        d["rope_scaling"] = d.pop("released_rope_scaling", None)
-        d["architectures"] = ["KimiLinearForCausalLM"]
-        d["model_max_length"] = d.pop("max_position_embeddings")
-        d["dtype"] = str(getattr(self, "dtype", None) or "bfloat16").replace("torch.", "")
-        return d

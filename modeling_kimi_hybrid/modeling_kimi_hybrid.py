@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover
 from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
 from .cache_kimi_hybrid import _diff as _fingerprint_diff
 from .configuration_kimi_hybrid import KimiHybridConfig
-from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
+from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
 
 __all__ = [
@@ -932,7 +932,7 @@ def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
         raise ValueError(
             f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
             f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
-            "(kimi_hybrid.app.lora.recommended_lora_config does; with target_modules='all-linear' add "
+            "(list the modules to adapt by name; with target_modules='all-linear' add "
             f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
     return module.weight
 

@@ -303,3 +303,19 @@ def k3_tensors(k3: dict, seed: int = 0, a_log_tail_zero: bool = True, mxfp4: boo
     t["mm_projector.proj.0.weight"] = r(D, 16)
     t["mm_projector.proj.2.weight"] = r(D, D)
     return t
+
+
+def released_config_dict(cfg) -> dict:
+    """A ``KimiHybridConfig`` written back in the released Kimi-Linear ``config.json`` form (model_type
+    "kimi_linear", 1-based layer lists, ``model_max_length``, ``dtype``), as the round-trip tests need it."""
+    d = cfg.to_dict()
+    for k in ("layer_types", "mlp_layer_types", "mla_absorb_max_q_len", "kda_record_max_tokens",
+              "auto_map", "architectures", "transformers_version", "torch_dtype", "dtype"):
+        d.pop(k, None)
+    d["model_type"] = "kimi_linear"
+    d["rope_theta"] = d.pop("released_rope_theta", 10000.0)
+    d["rope_scaling"] = d.pop("released_rope_scaling", None)
+    d["architectures"] = ["KimiLinearForCausalLM"]
+    d["model_max_length"] = d.pop("max_position_embeddings")
+    d["dtype"] = str(getattr(cfg, "dtype", None) or "bfloat16").replace("torch.", "")
+    return d

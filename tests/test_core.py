@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def test_released_config_json_is_read_as_released(tmp_path):
         assert getattr(preset, k) == getattr(cfg, k), k
     assert cfg.released_rope_theta == 10000.0 and cfg.released_rope_scaling is None
     assert str(cfg.dtype).endswith("bfloat16")
-    back = cfg.to_released_dict()
+    back = released_config_dict(cfg)
     assert back["dtype"] == "bfloat16" and back["rope_theta"] == 10000.0 and "rope_scaling" in back
     assert back["model_type"] == "kimi_linear" and back["model_max_length"] == 1048576
     assert back["linear_attn_config"]["kda_layers"] == RELEASED_48B["linear_attn_config"]["kda_layers"]

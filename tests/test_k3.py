@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import kimi_hybrid.modeling_kimi_hybrid as mk
+from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -722,7 +723,7 @@ def test_k3_preset_values():
     assert c.layer_types[0] == LINEAR and c.layer_types[91] == c.layer_types[92] == FULL
     assert c.mlp_layer_types == ["dense"] + ["sparse"] * 92
     # the released text_config reads back to the same plan
-    again = KimiHybridConfig.from_released_dict({"model_type": "kimi_k3", "text_config": c.to_released_dict()})
+    again = KimiHybridConfig.from_released_dict({"model_type": "kimi_k3", "text_config": released_config_dict(c)})
     assert again.layer_types == c.layer_types and again.attn_res_block_size == 12
 
 
