@@ -81,7 +81,8 @@ def make_rows(args, vocab_size):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="base model folder (else --preset with random weights)")
-    ap.add_argument("--preset", default="kimi-linear-48b-a3b")
+    ap.add_argument("--preset", default="kimi-linear-48b-a3b",
+                    help="shipped preset name or .json file of KimiHybridConfig arguments")
     ap.add_argument("--layers", type=int, default=None, help="depth slice of the preset (layers-1 KDA + 1 MLA)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--synthetic", action="store_true", help="random token ids instead of stdlib source")

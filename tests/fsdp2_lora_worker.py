@@ -10,15 +10,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridForCausalLM
 from kimi_hybrid.app.lora import enable_gradient_checkpointing, recommended_lora_config
+from presets import preset_config
 
 
 def build():
     from peft import get_peft_model
 
     torch.manual_seed(0)
-    m = KimiHybridForCausalLM(KimiHybridConfig.from_preset("tiny-kda-first"))
+    m = KimiHybridForCausalLM(preset_config("tiny-kda-first"))
     pm = get_peft_model(m, recommended_lora_config(m.config, r=4, alpha=8, init_lora_weights=False))
     enable_gradient_checkpointing(pm)
     pm.train()

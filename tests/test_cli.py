@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from kimi_hybrid.app import cli
-from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "models" / "kimi-hybrid-stdlib"
@@ -31,7 +32,7 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_ma
 
 def tiny_model(tokenizer) -> KimiHybridForCausalLM:
     """A 4-layer random model (KDA, KDA, KDA, MLA; dense + MoE) over the shipped tokenizer's vocabulary."""
-    cfg = KimiHybridConfig.from_preset(
+    cfg = preset_config(
         "tiny-kda-first", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)

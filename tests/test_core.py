@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ["tiny-kda-first", "tiny-mla-first", "tiny-k3"]
@@ -23,7 +24,7 @@ TOL = 1e-5
 
 def tiny(name, seed=0, **over):
     torch.manual_seed(seed)
-    cfg = KimiHybridConfig.from_preset(name, **over)
+    cfg = preset_config(name, **over)
     model = KimiHybridForCausalLM(cfg).eval()
     with torch.no_grad():  # a non-zero correction bias exercises "bias only chooses"
         for mod in model.modules():
@@ -331,7 +332,7 @@ def native_pair(order):
 
     from kimi_hybrid.conversion.native import native_state_dict_to_ours
 
-    ours_cfg = KimiHybridConfig.from_preset(order)
+    ours_cfg = preset_config(order)
     ncfg = KimiLinearConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=4, layer_types=ours_cfg.layer_types, mlp_layer_types=ours_cfg.mlp_layer_types,
@@ -403,7 +404,7 @@ def test_bad_input_ids_and_masks_raise_clear_errors():
                                          ("vocab_size", 2.5)])
 def test_config_rejects_non_positive_sizes(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
-        KimiHybridConfig.from_preset("tiny-kda-first", **{field: value})
+        preset_config("tiny-kda-first", **{field: value})
 
 
 def test_from_pretrained_refuses_missing_and_unexpected_tensors(tmp_path):

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from presets import TINY_PRESETS, preset_config
+
 pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
@@ -81,19 +83,20 @@ def test_fsdp2_lora_grads_match_single_process(tmp_path):
 def test_train_lora_fsdp_example_two_processes(tmp_path):
     from peft import PeftModel
 
-    from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+    from kimi_hybrid import KimiHybridForCausalLM
 
-    _torchrun([str(ROOT / "examples" / "train_lora_fsdp.py"), "--preset", "tiny-kda-first", "--synthetic",
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY_PRESETS["tiny-kda-first"]))
+    _torchrun([str(ROOT / "examples" / "train_lora_fsdp.py"), "--preset", str(tmp_path / "tiny.json"), "--synthetic",
                "--synthetic-pool", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "8", "--lr", "2e-2",
                "--rank", "4", "--alpha", "8", "--shard-manually", "--out", str(tmp_path / "run")],
               env_extra={"ACCELERATE_USE_CPU": "true"})
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
-    n_layers = KimiHybridConfig.from_preset("tiny-kda-first").num_hidden_layers
+    n_layers = preset_config("tiny-kda-first").num_hidden_layers
     assert rep["world_size"] == 2
     assert rep["fsdp2_units"] == n_layers + 1 and rep["dtensor_params"] > 0
     assert rep["last_loss"] < rep["first_loss"] - 0.1, rep
     torch.manual_seed(0)
-    base = KimiHybridForCausalLM(KimiHybridConfig.from_preset("tiny-kda-first"))
+    base = KimiHybridForCausalLM(preset_config("tiny-kda-first"))
     loaded = PeftModel.from_pretrained(base, tmp_path / "run" / "adapter")
     nonzero_b = [n for n, p in loaded.named_parameters() if "lora_B" in n and p.abs().max() > 0]
     assert nonzero_b, "the saved adapter holds the trained (non-zero) LoRA B matrices"

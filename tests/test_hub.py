@@ -28,8 +28,9 @@ import pytest
 import torch
 
 from kimi_hybrid.app import hub
-from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridForCausalLM
 from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "modeling_kimi_hybrid"
@@ -46,7 +47,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    cfg = KimiHybridConfig.from_preset(
+    cfg = preset_config(
         "tiny-mla-first", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import kimi_hybrid.modeling_kimi_hybrid as mk
 from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,7 +285,7 @@ _MODELS = {}
 def tiny_model(name, **over):
     key = (name, tuple(sorted(over.items())))
     if key not in _MODELS:
-        cfg = KimiHybridConfig.from_preset(name, **over)
+        cfg = preset_config(name, **over)
         torch.manual_seed(0)
         _MODELS[key] = randomize(KimiHybridForCausalLM(cfg).eval(), seed=1)
     return _MODELS[key]
@@ -315,7 +316,7 @@ def assert_rel(got, want, rtol=1e-5, what=""):
 @pytest.mark.parametrize("q_lora", [True, False])
 def test_gated_mla_matches_spec(scale, q_lora):
     over = {} if q_lora else {"q_lora_rank": None}
-    cfg = KimiHybridConfig.from_preset("tiny-k3", **over)
+    cfg = preset_config("tiny-k3", **over)
     layer = cfg.layer_types.index(FULL)
     attn = randomize(mk.KimiMLAttention(cfg, layer).eval(), seed=3)
     sd = {k: v.detach() for k, v in attn.state_dict().items()}
@@ -331,7 +332,7 @@ def test_gated_mla_matches_spec(scale, q_lora):
 def test_mla_gate_is_per_channel_before_o_proj():
     """A gate that is ~0 on exactly one channel (head, v-dim) and 0.5 elsewhere must equal removing that column of
     o_proj with the other channels halved: one gate per channel, applied before o_proj."""
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     attn = randomize(mk.KimiMLAttention(cfg, cfg.layer_types.index(FULL)).eval(), seed=4)
     x = torch.randn(1, 5, cfg.hidden_size)
     x[..., 0] = 1.0
@@ -358,8 +359,8 @@ def test_kda_gate_forms():
     g_raw = torch.randn(3, 5, H, K, generator=gen) * 3
     A_log, dt = torch.randn(H, generator=gen), torch.randn(H * K, generator=gen)
     from kimi_hybrid.kda_kimi_hybrid import kda_gate
-    lb_cfg = KimiHybridConfig.from_preset("tiny-k3")
-    sp_cfg = KimiHybridConfig.from_preset("tiny-k3-softplus")
+    lb_cfg = preset_config("tiny-k3")
+    sp_cfg = preset_config("tiny-k3-softplus")
     assert lb_cfg.gate_lower_bound == -5.0 and sp_cfg.gate_lower_bound is None
     lb = kda_gate(g_raw, A_log, dt, -5.0)
     # the spec's formula, element by element, written out once more for one entry
@@ -378,7 +379,7 @@ def test_kda_gate_forms():
 @pytest.mark.parametrize("T", [11, 70])  # 70 > the chunk size 64 of the chunked kernel
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-softplus"])
 def test_kda_layer_matches_spec(preset, T):
-    cfg = KimiHybridConfig.from_preset(preset)
+    cfg = preset_config(preset)
     layer = cfg.layer_types.index(LINEAR)
     attn = randomize(mk.KimiDeltaAttention(cfg, layer).eval(), seed=6)
     sd = {k: v.detach() for k, v in attn.state_dict().items()}
@@ -393,7 +394,7 @@ def test_kda_layer_matches_spec(preset, T):
 
 def test_kda_low_rank_gate_still_matches_spec():
     """use_full_rank_gate False (Kimi-Linear's g_a/g_b) with the K3 lower-bounded decay."""
-    cfg = KimiHybridConfig.from_preset("tiny-k3", linear_attn_config={
+    cfg = preset_config("tiny-k3", linear_attn_config={
         "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0})
     attn = randomize(mk.KimiDeltaAttention(cfg, 0).eval(), seed=8)
     sd = {k: v.detach() for k, v in attn.state_dict().items()}
@@ -410,7 +411,7 @@ def test_kda_low_rank_gate_still_matches_spec():
 @pytest.mark.parametrize("scale", [1.0, 0.02])
 @pytest.mark.parametrize("use_norm", [True, False])
 def test_latent_moe_matches_spec(use_norm, scale):
-    cfg = KimiHybridConfig.from_preset("tiny-k3", latent_moe_use_norm=use_norm)
+    cfg = preset_config("tiny-k3", latent_moe_use_norm=use_norm)
     moe = randomize(mk.KimiMoE(cfg).eval(), seed=9)
     sd = {k: v.detach() for k, v in moe.state_dict().items()}
     L, D = cfg.routed_expert_hidden_size, cfg.hidden_size
@@ -429,7 +430,7 @@ def test_latent_moe_matches_spec(use_norm, scale):
 
 
 def test_router_bias_chooses_but_does_not_weigh():
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     router = randomize(mk.KimiRouter(cfg), seed=11)
     x = torch.randn(16, cfg.hidden_size)
     with torch.no_grad():
@@ -450,7 +451,7 @@ def test_router_bias_chooses_but_does_not_weigh():
 # ================================================================================================================
 
 def test_situ_matches_spec():
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     assert (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta) == ("situ", 4.0, 25.0)
     g = torch.linspace(-60, 60, 241).view(-1, 1).expand(241, 9)
     u = torch.linspace(-200, 200, 9).view(1, -1).expand(241, 9)
@@ -465,13 +466,13 @@ def test_situ_matches_spec():
     out = mk.glu_act(cfg, gb, ub)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref_situ(gb, ub, 4.0, 25.0).bfloat16())
     # null betas: beta 1, un-capped up half
-    cfg_none = KimiHybridConfig.from_preset("tiny-k3", activation_situ_beta=None, activation_situ_linear_beta=None)
+    cfg_none = preset_config("tiny-k3", activation_situ_beta=None, activation_situ_linear_beta=None)
     assert_close(mk.glu_act(cfg_none, g, u), ref_situ(g, u, None, None), 1e-3, "SiTU null betas")
 
 
 def test_situ_used_in_every_mlp_kind():
     """Dense layer-0 MLP and the shared experts use SiTU (the routed experts are covered by the latent MoE test)."""
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     mlp = randomize(mk.KimiMLP(cfg), seed=12)
     sd = {k: v.detach() for k, v in mlp.state_dict().items()}
     x = torch.randn(4, cfg.hidden_size) * 3
@@ -536,7 +537,7 @@ def test_attn_res_k3_plan_has_nine_exit_candidates(monkeypatch):
     """The full K3 layer plan (93 layers, bs 12) at toy width: 8 snapshots (layers 0, 12, ..., 84) and 9 candidates
     at the exit."""
     full = KimiHybridConfig.from_preset("kimi-k3")
-    cfg = KimiHybridConfig.from_preset(
+    cfg = preset_config(
         "tiny-k3", num_hidden_layers=93, layer_types=full.layer_types, attn_res_block_size=12,
         mlp_layer_types=full.mlp_layer_types, hidden_size=16, intermediate_size=16, num_attention_heads=2,
         num_key_value_heads=2, num_experts=4, moe_intermediate_size=8, routed_expert_hidden_size=8, q_lora_rank=8,
@@ -808,7 +809,7 @@ def test_released_k3_config_reads_as_the_preset(tmp_path):
 
 
 def test_tiny_k3_presets():
-    a, b, c = (KimiHybridConfig.from_preset(n) for n in TINY_K3)
+    a, b, c = (preset_config(n) for n in TINY_K3)
     assert a.gate_lower_bound == -5.0 and b.gate_lower_bound is None
     assert b.layer_types[0] == FULL and a.layer_types[0] == LINEAR
     assert c.num_hidden_layers % c.attn_res_block_size != 0 and c.latent_moe_use_norm is False

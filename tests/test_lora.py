@@ -32,6 +32,7 @@ from kimi_hybrid.app.lora import (  # noqa: E402
 )
 from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
 from kimi_hybrid.modeling_kimi_hybrid import KimiMLAttention  # noqa: E402
+from presets import TINY_PRESETS, preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def _one_thread():
 
 def tiny(preset="tiny-kda-first", seed=0, **over):
     torch.manual_seed(seed)
-    cfg = KimiHybridConfig.from_preset(preset, **over)
+    cfg = preset_config(preset, **over)
     return KimiHybridForCausalLM(cfg).eval()
 
 
@@ -565,7 +566,8 @@ def test_bench_script_cpu_smoke(tmp_path):
     """examples/bench_lora.py on tiny widths: native kimi_linear and ours share weights (fp32 logits agree to 1e-4)
     and both train a step with the same LoraConfig."""
     import bench_lora as b  # examples/ is on the test path (pyproject: [tool.pytest.ini_options] pythonpath)
-    res = b.main(["--tiny", "--device", "cpu", "--seq-len", "16", "--steps", "1", "--warmup", "1",
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY_PRESETS["tiny-kda-first"]))
+    res = b.main(["--config", str(tmp_path / "tiny.json"), "--device", "cpu", "--seq-len", "16", "--steps", "1", "--warmup", "1",
                   "--out", str(tmp_path / "b.json")])
     assert res["parity"]["max_abs_logit_diff"] <= 1e-4
     assert res["ours"]["trainable_params"] == res["native"]["trainable_params"] > 0

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from presets import preset_config
+
 import train_default_model as tdm  # examples/ is on the test path (pyproject's pytest pythonpath)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +54,7 @@ def test_batches_are_seeded_and_windows_cover_the_split():
 
 
 def test_bias_balancer_moves_towards_equal_load(tokenizer):
-    cfg = tdm.KimiHybridConfig.from_preset("tiny-kda-first")
+    cfg = preset_config("tiny-kda-first")
     torch.manual_seed(0)
     model = tdm.KimiHybridForCausalLM(cfg).train()
     bal = tdm.BiasBalancer(model, rate=0.5)
@@ -68,7 +70,7 @@ def test_bias_balancer_moves_towards_equal_load(tokenizer):
 
 
 def test_evaluate_matches_model_loss(tokenizer):
-    cfg = tdm.KimiHybridConfig.from_preset("tiny-mla-first")
+    cfg = preset_config("tiny-mla-first")
     torch.manual_seed(0)
     model = tdm.KimiHybridForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (3 * 32,))

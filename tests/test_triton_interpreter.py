@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from presets import TINY_PRESETS
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +48,8 @@ for (B, T, H, K, V, l2) in [(2, 1, 4, 64, 64, True), (1, 3, 2, 32, 48, True), (2
                                         use_qk_l2norm_in_kernel=l2)
     out["kda"].append([rel(o, o_ref), rel(s, s_ref), list(o.shape) == list(o_ref.shape)])
 for (N, E, k, D, F) in [(1, 16, 4, 64, 48), (3, 8, 2, 40, 24)]:
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first", num_experts=E, num_experts_per_token=k,
-                                       moe_intermediate_size=F, hidden_size=D)
+    cfg = KimiHybridConfig(**{**json.loads(sys.argv[1]), "num_experts": E, "num_experts_per_token": k,
+                              "moe_intermediate_size": F, "hidden_size": D})
     torch.manual_seed(N)
     ex = mk.KimiExperts(cfg, D)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.05)
@@ -65,7 +67,7 @@ print(json.dumps(out))
 
 def test_triton_kernels_match_references_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", KIMI_HYBRID_DISABLE_FLA="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(TINY_PRESETS["tiny-kda-first"])], capture_output=True, text=True, env=env,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -13,10 +13,11 @@ import warnings
 import pytest
 import torch
 
-from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid import kda_kimi_hybrid as kk
 from kimi_hybrid.kernels.kda_decode import kda_decode_triton
 from kimi_hybrid import modeling_kimi_hybrid as mk
+from presets import preset_config
 
 warnings.filterwarnings("ignore")
 
@@ -202,7 +203,7 @@ def test_short_conv_varlen_fla_vs_ref():
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 7, 300])
 def test_grouped_experts_vs_loop(N):
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first", num_experts=64, num_experts_per_token=8,
+    cfg = preset_config("tiny-kda-first", num_experts=64, num_experts_per_token=8,
                                        moe_intermediate_size=64, hidden_size=128)
     torch.manual_seed(N)
     ex = mk.KimiExperts(cfg, 128).cuda()
@@ -238,7 +239,7 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
     """The decode-sized expert GEMVs (Triton) == a per-token fp32 loop over the chosen experts; KimiExperts uses
     them for <= MOE_GEMV_MAX_PAIRS token-expert pairs, and they agree with the grouped GEMM path (bf16)."""
     E, k, D, F_ = 64, 8, 256, 96
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first", num_experts=E, num_experts_per_token=k,
+    cfg = preset_config("tiny-kda-first", num_experts=E, num_experts_per_token=k,
                                        moe_intermediate_size=F_, hidden_size=D)
     torch.manual_seed(N)
     ex = mk.KimiExperts(cfg, D).cuda()
@@ -276,7 +277,7 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
 # ------------------------------------------------------------------------------------------------------- models
 def _tiny(preset):
     # linear head dim 32 so the FLA kernels run at a realistic tile shape; widths multiples of 8 for grouped GEMM
-    cfg = KimiHybridConfig.from_preset(preset, linear_attn_config={"head_dim": 32, "num_heads": 2,
+    cfg = preset_config(preset, linear_attn_config={"head_dim": 32, "num_heads": 2,
                                                                    "short_conv_kernel_size": 4})
     torch.manual_seed(0)
     return cfg, KimiHybridForCausalLM(cfg).eval()
