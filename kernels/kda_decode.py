@@ -65,7 +65,8 @@ def kda_decode_triton(q, k, v, g, beta, initial_state, scale=None, use_qk_l2norm
                       block_v: int = 32):
     """KDA for a few tokens from a state (decode, speculative verification), one Triton launch.
 
-    Same math as ``kimi_hybrid.kda_kimi_hybrid.recurrent_kda_ref`` (fp32 state and arithmetic, L2 norm with eps 1e-6 inside the sqrt).
+    Same math as ``kimi_hybrid.kda_kimi_hybrid.recurrent_kda_ref`` (fp32 state and arithmetic, L2 norm with eps 1e-6
+    inside the sqrt).
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-space decay; beta: ``[B, T, H]``;
