@@ -256,10 +256,11 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         self.record = None
 
     def offload(self) -> None:
-        """Move the states to the CPU (``prefetch`` brings them back to the layer's device)."""
+        """Move the states to the CPU (``prefetch`` brings them back to the layer's device). The copy is blocking:
+        an asynchronous device-to-host copy could be read on the host (save, snapshot) before it lands."""
         for name, t in self.tensors().items():
             device = self.device
-            setattr(self, name, t.to("cpu", non_blocking=True))
+            setattr(self, name, t.to("cpu"))
             self.device = device
 
     def prefetch(self) -> None:
@@ -269,7 +270,7 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         device = self.device
         for name, t in self.tensors().items():
             if t.device != device:
-                setattr(self, name, t.to(device, non_blocking=True))
+                setattr(self, name, t.to(device))
 
     @property
     def is_croppable(self) -> bool:
@@ -547,13 +548,14 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
         self.is_initialized = False
 
     def offload(self) -> None:
-        """Move the latent to the CPU (``prefetch`` brings it back to the layer's device)."""
+        """Move the latent to the CPU (``prefetch`` brings it back to the layer's device). The copy is blocking:
+        an asynchronous device-to-host copy could be read on the host (save, snapshot) before it lands."""
         if self.keys is not None:
-            self.keys = self.keys.to("cpu", non_blocking=True)
+            self.keys = self.keys.to("cpu")
 
     def prefetch(self) -> None:
         if self.keys is not None and self.keys.device != self.device:
-            self.keys = self.keys.to(self.device, non_blocking=True)
+            self.keys = self.keys.to(self.device)
 
 
 class StaticMLALayer(MLALayerMixin, StaticLayer):

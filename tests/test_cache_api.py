@@ -314,3 +314,61 @@ def test_memory_report_counts_a_pinned_view_whole():
     c.layers[2].conv_states[0] = big[..., -(W - 1):]  # the same storage again: counted once
     rep = c.memory_report()
     assert rep["kda_conv_bytes"] == 3 * H * K * (W - 1) * 4 + _storage(big) == 2304 + 76_800
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on a GPU (skipped without one): offloading really moves the latents, and the FLA paths own their windows too
+# ---------------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_model(preset):
+    import copy
+
+    return copy.deepcopy(get_model(preset)).cuda()
+
+
+@cuda
+@pytest.mark.parametrize("preset", ORDERS)
+def test_cuda_offloading_moves_latents_and_decodes_as_plain(preset):
+    m = _cuda_model(preset)
+    ids = rand_ids(2, 12, seed=60).cuda()
+    plain, off = KimiHybridCache(m.config), KimiHybridCache(m.config, offloading=True)
+    outs = {}
+    with torch.no_grad():
+        for name, c in (("plain", plain), ("off", off)):
+            o = [m(ids[:, :6], past_key_values=c).logits]
+            for t in range(6, 12):
+                o.append(m(ids[:, t:t + 1], past_key_values=c).logits)
+            outs[name] = torch.cat(o, 1)
+    # same kernels on the same inputs: the offloaded cache changes only where the latents wait
+    assert (outs["off"] - outs["plain"]).abs().max().item() <= 1e-6
+    for i, layer in enumerate(off.layers):
+        if isinstance(layer, DynamicMLALayer):
+            assert layer.latent.device.type == "cpu" and layer.device.type == "cuda"
+            off.prefetch(i)
+            assert layer.latent.device.type == "cuda"
+            assert torch.equal(layer.latent, plain.layers[i].latent)
+            off.offload(i)
+            assert layer.latent.device.type == "cpu"
+        else:
+            assert layer.conv_state.is_cuda and layer.recurrent_state.is_cuda
+
+
+@cuda
+@pytest.mark.parametrize("preset", ORDERS)
+def test_cuda_memory_report_equals_storage_after_long_prefill(preset):
+    """The CPU test's check on CUDA, where the conv and KDA kernels are FLA's when it is installed."""
+    m = _cuda_model(preset)
+    H, K, W, Dl = _dims(m.config)
+    with torch.no_grad():
+        c = m(rand_ids(1, 1024, seed=61).cuda(), use_cache=True, logits_to_keep=1).past_key_values
+        m(rand_ids(1, 1, seed=62).cuda(), past_key_values=c)
+    for layer in c.layers:
+        for t in layer.tensors().values():
+            assert t.is_cuda and _storage(t) == t.numel() * t.element_size()
+    rep = c.memory_report()
+    tensors = [t for layer in c.layers for t in layer.tensors().values()] + [c.key_mask, c.last_hidden]
+    assert rep["total_bytes"] == sum({t.untyped_storage().data_ptr(): _storage(t) for t in tensors}.values())
+    assert rep["kda_bytes"] == rep["kda_bytes_constant"] and rep["mla_bytes"] == rep["mla_bytes_per_token"] * 1025
