@@ -16,7 +16,7 @@ from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache, Dyna
 from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from modeling_kimi_hybrid.cache_kimi_hybrid import (DynamicMLALayer, KDALayer, StaticKDALayer, StaticMLALayer)
 
-from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
+from decoding_helpers import _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
 
 ATOL = 1e-5
 ORDERS = ["tiny-kda-first", "tiny-mla-first"]
