@@ -157,6 +157,7 @@ class KDALayer(LinearAttentionCacheLayerMixin):
     # -- the two states ---------------------------------------------------------------------------------------------
     @property
     def conv_state(self) -> Optional[torch.Tensor]:
+        """The conv window ``[B, 3*H*K, W-1]`` (model dtype; oldest input first), or None."""
         return self.conv_states[0]
 
     @conv_state.setter
@@ -165,6 +166,7 @@ class KDALayer(LinearAttentionCacheLayerMixin):
 
     @property
     def recurrent_state(self) -> Optional[torch.Tensor]:
+        """The recurrent state ``[B, H, K, V]`` (float32), or None."""
         return self.recurrent_states[0]
 
     @recurrent_state.setter
@@ -214,6 +216,7 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         return self.recurrent_state
 
     def tensors(self) -> Dict[str, torch.Tensor]:
+        """The states held, by name (``conv_state``, ``recurrent_state``)."""
         out = {}
         if self.conv_state is not None:
             out["conv_state"] = self.conv_state
@@ -222,12 +225,15 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         return out
 
     def record_tensors(self) -> List[torch.Tensor]:
+        """Every tensor of the rollback record (empty without one)."""
         return [] if not self.record else [t for t in self.record.values() if isinstance(t, torch.Tensor)]
 
     def nbytes(self) -> int:
+        """Nominal bytes of the states (``memory_report`` counts the storage behind them)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def record_nbytes(self) -> int:
+        """Nominal bytes of the rollback record."""
         return sum(t.numel() * t.element_size() for t in self.record_tensors())
 
     # -- transformers' layer operations -----------------------------------------------------------------------------
@@ -278,6 +284,7 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         return self.record is not None
 
     def activate_past_recording(self) -> None:
+        """transformers' switch; the records themselves are written by the model while the container records."""
         self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -385,11 +392,13 @@ class StaticKDALayer(KDALayer):
                 _static_address(slot[0])
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Copy the window into the buffer (allocated at the first call); return the buffer."""
         if self.conv_state is None:
             self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
         return super().update_conv_state(conv_states, state_idx)
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Copy the state into the buffer (allocated at the first call); return the buffer."""
         if self.recurrent_state is None:
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         return super().update_recurrent_state(recurrent_states, state_idx)
@@ -402,17 +411,21 @@ class StaticKDALayer(KDALayer):
         self.record = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused (NotImplementedError): a static layer's batch size is fixed."""
         raise NotImplementedError("batch_repeat_interleave changes the batch size of a static cache (fixed buffers); "
                                   "use a dynamic cache or fork()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused (NotImplementedError): a static layer's batch size is fixed."""
         raise NotImplementedError("batch_select_indices changes the batch size of a static cache (fixed buffers); "
                                   "use a dynamic cache")
 
     def offload(self) -> None:
+        """Refused (ValueError): static buffers keep fixed addresses."""
         raise ValueError(_NO_STATIC_OFFLOAD)
 
     def prefetch(self) -> None:
+        """Refused (ValueError): static buffers keep fixed addresses."""
         raise ValueError(_NO_STATIC_OFFLOAD)
 
 
@@ -468,6 +481,8 @@ class MLALayerMixin:
 
     @property
     def latent(self) -> Optional[torch.Tensor]:
+        """``[B, T, Dl]`` (dynamic) or ``[B, max_cache_len, Dl]`` (static), model dtype; None before the first
+        update. Assigning stores a tensor that owns its bytes."""
         return self.keys
 
     @latent.setter
@@ -479,9 +494,11 @@ class MLALayerMixin:
             self.batch_size = t.shape[0]
 
     def tensors(self) -> Dict[str, torch.Tensor]:
+        """The tensor held, by name (``latent``)."""
         return {} if self.keys is None else {"latent": self.keys}
 
     def nbytes(self) -> int:
+        """Nominal bytes of the latent (``memory_report`` counts the storage behind it)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
@@ -514,6 +531,7 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
         return self.keys, None
 
     def get_seq_length(self) -> int:
+        """Tokens held (the latent's length)."""
         return 0 if self.keys is None else int(self.keys.shape[1])
 
     def _apply(self, fn) -> None:
@@ -521,12 +539,15 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
             self.latent = fn(self.keys)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: keep rows ``beam_idx`` (in that order)."""
         self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (row order b0, b0, ..., b1, b1, ...)."""
         self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices``."""
         self._apply(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -544,6 +565,7 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
             self.keys = self.keys[:, :n + tokens_to_remove].clone()
 
     def reset(self) -> None:
+        """Drop the latent."""
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -554,6 +576,7 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
             self.keys = self.keys.to("cpu")
 
     def prefetch(self) -> None:
+        """Move an offloaded latent back to the layer's device."""
         if self.keys is not None and self.keys.device != self.device:
             self.keys = self.keys.to(self.device)
 
@@ -586,6 +609,7 @@ class StaticMLALayer(MLALayerMixin, StaticLayer):
         return self.keys, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows ``beam_idx`` copied in place."""
         if self.keys is not None:
             self.keys.copy_(self.keys.index_select(0, beam_idx.to(self.keys.device)))
 
@@ -595,21 +619,26 @@ class StaticMLALayer(MLALayerMixin, StaticLayer):
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
 
     def reset(self) -> None:
+        """Zero the buffer in place (the container resets the counter)."""
         if self.keys is not None:
             self.keys.zero_()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused (NotImplementedError): a static layer's batch size is fixed."""
         raise NotImplementedError("batch_repeat_interleave changes the batch size of a static cache (fixed buffers); "
                                   "use a dynamic cache or fork()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused (NotImplementedError): a static layer's batch size is fixed."""
         raise NotImplementedError("batch_select_indices changes the batch size of a static cache (fixed buffers); "
                                   "use a dynamic cache")
 
     def offload(self) -> None:
+        """Refused (ValueError): static buffers keep fixed addresses."""
         raise ValueError(_NO_STATIC_OFFLOAD)
 
     def prefetch(self) -> None:
+        """Refused (ValueError): static buffers keep fixed addresses."""
         raise ValueError(_NO_STATIC_OFFLOAD)
 
 
@@ -694,7 +723,7 @@ class KimiHybridCache(Cache):
                     layer.cumulative_length = t
 
     @property
-    def max_cache_len(self) -> Optional[int]:
+    def max_cache_len(self) -> Optional[int]:  # (a read-only deprecated property on transformers' Cache < 5.20)
         """The static capacity in tokens, or None for a dynamic cache."""
         return self._max_cache_len
 
@@ -795,17 +824,22 @@ class KimiHybridCache(Cache):
         return int(self.seen_tokens)
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        """``max_cache_len`` (static) or -1 (dynamic: no maximum)."""
         return -1 if not self.static else int(self.max_cache_len)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+        """``(kv_length, kv_offset)`` for transformers' mask builders: the buffer length (static) or the tokens
+        seen plus ``query_length`` (dynamic), offset 0."""
         if self.static:
             return int(self.max_cache_len), 0
         return self.get_seq_length() + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        """Position of the next query token (= tokens seen)."""
         return self.get_seq_length()
 
     def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None) -> bool:
+        """True once any token was seen (every layer sees every token)."""
         return self.seen_tokens > 0
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
@@ -829,6 +863,7 @@ class KimiHybridCache(Cache):
 
     @property
     def batch_size(self) -> Optional[int]:
+        """Rows held (from the key mask), or None before the first forward."""
         return None if self.key_mask is None else self.key_mask.shape[0]
 
     @property
@@ -838,22 +873,27 @@ class KimiHybridCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
+        """True once any token was seen."""
         return self.seen_tokens > 0
 
     @property
     def is_croppable(self) -> bool:
+        """True while recording (``crop`` can then roll the KDA states back; see the module doc)."""
         return self.recording
 
     @property
     def is_sliding(self):
+        """No sliding-window layers."""
         return [False] * len(self.layers)
 
     @property
     def is_linear(self):
+        """True for the KDA (linear-attention) layers."""
         return [t == LINEAR for t in self.layer_types]
 
     @property
     def is_dummy(self):
+        """No cache-less layers."""
         return [False] * len(self.layers)
 
     def activate_past_recording(self) -> None:
@@ -872,9 +912,11 @@ class KimiHybridCache(Cache):
                 layer.record = None
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
+        """Whether rollback records are kept (the same for every layer)."""
         return self.recording
 
     def update(self, *args, **kwargs):
+        """Refused (NotImplementedError): the layers write the cache through ``mla_update`` and the KDA layers."""
         raise NotImplementedError(
             "KimiHybridCache is written by the KimiHybrid layers themselves (mla_update for the MLA latents, the KDA "
             "layer states); it does not take per-head key/value tensors")
