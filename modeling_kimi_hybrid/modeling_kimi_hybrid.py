@@ -40,8 +40,7 @@ try:
 except ImportError:  # pragma: no cover
     init = nn.init
 
-from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
-from .cache_kimi_hybrid import _diff as _fingerprint_diff
+from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
@@ -1050,20 +1049,9 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
-        cache = past_key_values if use_cache or past_key_values is not None else None
-        if cache is not None and not isinstance(cache, KimiHybridCache):
-            if cache.get_seq_length() == 0:
-                cache = KimiHybridCache(self.config)
-            else:
-                raise ValueError(f"KimiHybrid needs a KimiHybridCache, got a filled {type(cache).__name__}")
-        if use_cache and cache is None:
-            cache = KimiHybridCache(self.config)
+        cache = KimiHybridCache.from_user_cache(past_key_values, self.config, use_cache=use_cache)
         static = cache is not None and cache.static
         if cache is not None:
-            want = config_fingerprint(self.config)
-            if cache.fingerprint != want:
-                raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
-                                 f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
             cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
             if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
                 raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
@@ -1313,13 +1301,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         DynamicCache / StaticCache."""
         user = model_kwargs.get("past_key_values")
         if user is not None:
-            if isinstance(user, KimiHybridCache):
-                user._is_user_defined = True
-                return
-            if user.get_seq_length() == 0:
-                model_kwargs["past_key_values"] = KimiHybridCache(self.config)
-                return
-            raise ValueError(f"KimiHybrid generation needs a KimiHybridCache, got a filled {type(user).__name__}")
+            KimiHybridCache.from_user_cache(user, self.config)._is_user_defined = True
+            return
         if generation_config.use_cache is False:
             return
         impl = getattr(generation_config, "cache_implementation", None)
