@@ -495,7 +495,7 @@ class KimiHybridConfig(PretrainedConfig):
                 logger.warning(
                     f"{pretrained_model_name_or_path} holds a released {raw['model_type']!r} config.json: read as "
                     "KimiHybridConfig, but its weights use the released names and must be converted before "
-                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert convert SRC OUT)")
+                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert SRC OUT)")
                 cfg = cls.from_released_dict(raw)
                 for k, v in kwargs.items():
                     setattr(cfg, k, v)

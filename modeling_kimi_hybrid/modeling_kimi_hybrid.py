@@ -630,7 +630,7 @@ def _refuse_released_folder(source, subfolder: str, cls_name: str) -> None:
         raise ValueError(
             f"{src!r} holds a {model_type!r} checkpoint (released Kimi-Linear / K3 or transformers-native layout): "
             f"its tensor names and fused layouts differ from {cls_name}'s, so no weight was loaded. Convert it once "
-            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert convert {src} {out}")
+            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert {src} {out}")
 
 
 class KimiHybridPreTrainedModel(PreTrainedModel):
@@ -660,7 +660,7 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
         Raises:
             ValueError: before any weight is read, for a local folder whose config.json is a released Kimi-Linear /
                 K3 or transformers-native ``kimi_linear`` one (its tensors use the released names; the message gives
-                the ``kimi-hybrid-convert convert SRC OUT`` command); missing or unexpected checkpoint keys.
+                the ``kimi-hybrid-convert SRC OUT`` command); missing or unexpected checkpoint keys.
         """
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         _refuse_released_folder(source, kwargs.get("subfolder") or "", cls.__name__)

@@ -43,13 +43,13 @@ def test_from_pretrained_refuses_a_released_folder_before_reading_weights(tmp_pa
     with pytest.raises(ValueError) as err:
         KimiHybridForCausalLM.from_pretrained(src)
     msg = str(err.value)
-    assert f"kimi-hybrid-convert convert {src} {src}-kimi-hybrid" in msg
+    assert f"kimi-hybrid-convert {src} {src}-kimi-hybrid" in msg
     assert "'kimi_linear'" in msg and "no weight was loaded" in msg
 
 
 def test_from_pretrained_refuses_a_k3_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": {}}))
-    with pytest.raises(ValueError, match=r"(?s)'kimi_k3' checkpoint .* kimi-hybrid-convert convert"):
+    with pytest.raises(ValueError, match=r"(?s)'kimi_k3' checkpoint .* kimi-hybrid-convert /"):
         KimiHybridForCausalLM.from_pretrained(tmp_path)
 
 
