@@ -19,25 +19,20 @@ from __future__ import annotations
 
 import inspect
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-BUNDLE_GLOB = "*_kimi_hybrid.py"
-BUNDLE_REQUIRED = ("configuration_kimi_hybrid.py", "modeling_kimi_hybrid.py", "cache_kimi_hybrid.py",
-                   "kda_kimi_hybrid.py", "tokenization_kimi_hybrid.py")
+from kimi_hybrid.bundle import AUTO_MAP, BUNDLE_GLOB, BUNDLE_REQUIRED, TOKENIZER_AUTO_MAP  # noqa: F401 (re-exported)
+from kimi_hybrid.bundle import bundle_files as _bundle_files_of
+from kimi_hybrid.bundle import write_auto_map, write_bundle
+
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")  # transformers 5 writes no special_tokens_map.json
-AUTO_MAP = {
-    "AutoConfig": "configuration_kimi_hybrid.KimiHybridConfig",
-    "AutoModel": "modeling_kimi_hybrid.KimiHybridModel",
-    "AutoModelForCausalLM": "modeling_kimi_hybrid.KimiHybridForCausalLM",
-}
-TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi_hybrid.KimiHybridTokenizer", None]}
 
 
 def bundle_dir(model) -> Path:
-    """The folder of the model package's source files (where ``modeling_kimi_hybrid.py`` of ``model`` lives)."""
+    """The folder of the model package's source files (where ``modeling_kimi_hybrid.py`` of ``model`` lives): the
+    installed package, or the Hub folder's own bundle of a model loaded with ``trust_remote_code``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return Path(inspect.getfile(type(base))).resolve().parent
 
@@ -45,12 +40,7 @@ def bundle_dir(model) -> Path:
 def bundle_files(model) -> List[Path]:
     """Every flat ``*_kimi_hybrid.py`` bundle file next to the model's class. Raises FileNotFoundError naming any
     required file that is missing."""
-    folder = bundle_dir(model)
-    files = sorted(folder.glob(BUNDLE_GLOB))
-    missing = [n for n in BUNDLE_REQUIRED if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(f"bundle files {missing} are missing from {folder}")
-    return files
+    return _bundle_files_of(bundle_dir(model))
 
 
 def missing_files(folder: Union[str, Path]) -> List[str]:
@@ -158,12 +148,8 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
     base.save_pretrained(out, max_shard_size=max_shard_size)
     # the auto_map and the bundle files are written explicitly: save_pretrained only copies the code of classes
     # registered with register_for_auto_class, and only the files the class's module imports
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    cfg["auto_map"] = dict(AUTO_MAP)
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    for f in bundle_files(base):
-        shutil.copyfile(f, out / f.name)
+    write_auto_map(out / "config.json")
+    write_bundle(out, bundle_dir(base))
     if not (out / "generation_config.json").is_file():
         from transformers import GenerationConfig
 

@@ -40,7 +40,6 @@ import torch
 from . import config_io
 from .binding import Bound, CheckpointError, bind, check_coverage, piece_values
 from .layouts import Plan, detect_variant, plan_for
-from .model_glue import bundle_dir  # noqa: F401  (re-exported)
 from .safetensors_io import (
     FileHeader,
     PlannedTensor,

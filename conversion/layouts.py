@@ -27,6 +27,8 @@ Layouts:
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 
 from .safetensors_io import numel
@@ -120,86 +122,55 @@ def dims(cfg: dict) -> dict:
     return d
 
 
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
 def logical_tensors(cfg: dict) -> list[Logical]:
-    """All tensors of our layout for this config, in a stable order."""
-    g = dims(cfg)
-    D, P, d, H, K = g["D"], g["P"], g["d"], g["H"], g["K"]
-    out: list[Logical] = [Logical("model.embed_tokens.weight", (g["V"], D))]
-    attn_res = bool(cfg.get("attn_res_block_size"))
-    for i, (at, mt) in enumerate(zip(cfg["layer_types"], cfg["mlp_layer_types"])):
-        p = f"model.layers.{i}."
+    """All tensors of our layout for this config, in the model's ``state_dict`` order.
 
-        def add(sub, shape, kind="plain"):
-            out.append(Logical(p + sub, tuple(shape), kind, i, sub))
+    Read from ``KimiHybridForCausalLM`` built on the meta device (no memory, no init cost) for the config the model
+    reads from ``cfg``: names and shapes are the model's own, so the plan never restates it. Kinds: ``alog``
+    (``self_attn.A_log``) and ``fp32`` (the model's other ``_keep_in_fp32_modules_strict`` parameters: ``dt_bias``,
+    ``e_score_correction_bias``) are written in fp32; ``conv`` (the KDA short-conv kernels), ``gate_up`` / ``down``
+    (the fused experts) are assembled from several released tensors; the rest are ``plain``. A tied ``lm_head`` is
+    left out (it is the embedding).
+    """
+    key = json.dumps(cfg, sort_keys=True, default=str)
+    if key not in _LOGICAL_CACHE:
+        _LOGICAL_CACHE.clear()  # one config at a time is all a conversion needs
+        _LOGICAL_CACHE[key] = _logical_tensors_of_model(cfg)
+    return list(_LOGICAL_CACHE[key])
 
-        add("input_layernorm.weight", (D,))
-        add("post_attention_layernorm.weight", (D,))
-        if attn_res:
-            add("self_attention_res_norm.weight", (D,))
-            add("self_attention_res_proj.weight", (1, D))
-            add("mlp_res_norm.weight", (D,))
-            add("mlp_res_proj.weight", (1, D))
-        if at == "linear_attention":
-            for n in "qkv":
-                add(f"self_attn.{n}_proj.weight", (P, D))
-            for n in "qkv":
-                add(f"self_attn.{n}_conv1d.weight", (P, 1, K), "conv")
-            add("self_attn.f_a_proj.weight", (d, D))
-            add("self_attn.f_b_proj.weight", (P, d))
-            add("self_attn.A_log", (H,), "alog")
-            add("self_attn.dt_bias", (P,), "fp32")
-            add("self_attn.b_proj.weight", (H, D))
-            if cfg.get("use_full_rank_gate"):
-                add("self_attn.g_proj.weight", (P, D))
-            else:
-                add("self_attn.g_a_proj.weight", (d, D))
-                add("self_attn.g_b_proj.weight", (P, d))
-            add("self_attn.o_norm.weight", (d,))
-            add("self_attn.o_proj.weight", (D, P))
-        elif at == "full_attention":
-            qk = g["nope"] + g["rope"]
-            if g["rq"]:
-                add("self_attn.q_a_proj.weight", (g["rq"], D))
-                add("self_attn.q_a_layernorm.weight", (g["rq"],))
-                add("self_attn.q_b_proj.weight", (g["Hm"] * qk, g["rq"]))
-            else:
-                add("self_attn.q_proj.weight", (g["Hm"] * qk, D))
-            add("self_attn.kv_a_proj_with_mqa.weight", (g["rkv"] + g["rope"], D))
-            add("self_attn.kv_a_layernorm.weight", (g["rkv"],))
-            add("self_attn.kv_b_proj.weight", (g["Hm"] * (g["nope"] + g["v"]), g["rkv"]))
-            add("self_attn.o_proj.weight", (D, g["Hm"] * g["v"]))
-            if cfg.get("mla_use_output_gate"):
-                add("self_attn.g_proj.weight", (g["Hm"] * g["v"], D))
+
+_LOGICAL_CACHE: dict[str, list[Logical]] = {}
+
+
+def _logical_tensors_of_model(cfg: dict) -> list[Logical]:
+    from .model_glue import meta_model
+
+    model = meta_model(cfg)
+    fp32_names = set(type(model)._keep_in_fp32_modules_strict or ())
+    tied = set(getattr(model, "_tied_weights_keys", None) or ()) if model.config.tie_word_embeddings else set()
+    out: list[Logical] = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in tied:
+            continue
+        m = _LAYER_KEY.match(name)
+        layer, sub = (int(m.group(1)), m.group(2)) if m else (-1, "")
+        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+        if sub == "self_attn.A_log":
+            kind = "alog"
+        elif leaf in fp32_names:
+            kind = "fp32"
+        elif sub.startswith("self_attn.") and sub.endswith("_conv1d.weight"):
+            kind = "conv"
+        elif sub.endswith("experts.gate_up_proj"):
+            kind = "gate_up"
+        elif sub.endswith("experts.down_proj"):
+            kind = "down"
         else:
-            raise PlanError(f"layer {i}: unknown layer type {at!r}")
-        if mt == "dense":
-            add("mlp.gate_proj.weight", (g["Fd"], D))
-            add("mlp.up_proj.weight", (g["Fd"], D))
-            add("mlp.down_proj.weight", (D, g["Fd"]))
-        elif mt == "sparse":
-            E, F, De = g["E"], g["F"], g["De"]
-            add("mlp.gate.weight", (E, D))
-            add("mlp.gate.e_score_correction_bias", (E,), "fp32")
-            if g["L"]:
-                add("mlp.routed_expert_down_proj.weight", (g["L"], D))
-                if cfg.get("latent_moe_use_norm"):
-                    add("mlp.routed_expert_norm.weight", (g["L"],))
-                add("mlp.routed_expert_up_proj.weight", (D, g["L"]))
-            add("mlp.experts.gate_up_proj", (E, 2 * F, De), "gate_up")
-            add("mlp.experts.down_proj", (E, De, F), "down")
-            if g["S"]:
-                Fs = F * g["S"]
-                add("mlp.shared_experts.gate_proj.weight", (Fs, D))
-                add("mlp.shared_experts.up_proj.weight", (Fs, D))
-                add("mlp.shared_experts.down_proj.weight", (D, Fs))
-        else:
-            raise PlanError(f"layer {i}: unknown mlp type {mt!r}")
-    out.append(Logical("model.norm.weight", (D,)))
-    if attn_res:
-        out.append(Logical("model.output_attn_res_norm.weight", (D,)))
-        out.append(Logical("model.output_attn_res_proj.weight", (1, D)))
-    if not cfg.get("tie_word_embeddings"):
-        out.append(Logical("lm_head.weight", (g["V"], D)))
+            kind = "plain"
+        out.append(Logical(name, tuple(t.shape), kind, layer, sub))
     return out
 
 

@@ -18,12 +18,12 @@ _FORGET = re.compile(r"^(model\.layers\.\d+\.self_attn\.)forget_gate\.(f_a_proj\
 _CONV = re.compile(r"^(model\.layers\.\d+\.self_attn\.)conv1d\.weight$")
 
 
-def native_state_dict_to_ours(sd: Dict[str, torch.Tensor], config=None) -> Dict[str, torch.Tensor]:
-    """Map a ``KimiLinearForCausalLM.state_dict()`` to our key names and shapes.
+def native_state_dict_views(sd: Dict[str, torch.Tensor], config=None) -> Dict[str, torch.Tensor]:
+    """Map a ``KimiLinearForCausalLM.state_dict()`` to our key names and shapes, as views of the native tensors.
 
     With a ``config`` (the native ``KimiLinearConfig`` or its dict) this is the strict, plan-based converter of
-    ``conversion.state_dict`` (refuses unknown / missing keys and wrong shapes, A_log / dt_bias /
-    e_score_correction_bias made fp32). Without one, the permissive rename below is used.
+    ``conversion.state_dict.native_state_dict_to_ours`` (refuses unknown / missing keys and wrong shapes,
+    A_log / dt_bias / e_score_correction_bias made fp32). Without one, the permissive rename below is used.
 
     Args:
         sd: native state dict (tensors on any device / dtype; values are not changed).

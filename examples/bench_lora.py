@@ -12,7 +12,7 @@ The model. The 48B-A3B widths (hidden 2304, 32 KDA heads x 128, MLA 32 heads wit
 top-8 with moe_intermediate 1024 + 1 shared expert, vocab 163840) on a depth-reduced slice: ``--layers 4`` =
 3 KDA + 1 MLA, every layer MoE (the released model has a dense layer 0; all-MoE keeps per-layer costs typical of
 the other 26 layers), bf16. The native model is built first on the GPU; its weights are mapped to our layout with
-``conversion.native.native_state_dict_to_ours`` and *assigned* to our model (the same storage: no copy), so both
+``conversion.native.native_state_dict_views`` and *assigned* to our model (the same storage: no copy), so both
 route the same tokens to the same experts. A parity line reports the max |logit difference| on one batch.
 
 LoRA: ``kimi_hybrid.app.lora.recommended_lora_config`` (r=16, alpha=32): attention q/k/v/o, MLA kv_a/kv_b,
@@ -82,7 +82,7 @@ def build_models(args, device, dtype):
     """Native model with random weights on ``device``; ours sharing its tensors."""
     from transformers import KimiLinearForCausalLM
 
-    from kimi_hybrid.conversion.native import native_state_dict_to_ours
+    from kimi_hybrid.conversion.native import native_state_dict_views
     from kimi_hybrid import KimiHybridForCausalLM
 
     ours_cfg, native_cfg = build_configs(args)
@@ -91,7 +91,7 @@ def build_models(args, device, dtype):
         native = KimiLinearForCausalLM._from_config(native_cfg, dtype=dtype)
     with torch.device("meta"):
         ours = KimiHybridForCausalLM(ours_cfg)
-    sd = native_state_dict_to_ours(native.state_dict())
+    sd = native_state_dict_views(native.state_dict())
     res = ours.load_state_dict(sd, strict=False, assign=True)
     if res.missing_keys or res.unexpected_keys:
         raise RuntimeError(f"weight mapping: missing {res.missing_keys[:5]}, unexpected {res.unexpected_keys[:5]}")

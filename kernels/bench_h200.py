@@ -2,7 +2,7 @@
 
 Model: a depth-reduced slice of Kimi-Linear-48B-A3B with the real widths (default 4 layers: KDA+dense, KDA+MoE,
 KDA+MoE, MLA+MoE; 256 experts top-8; vocab 163840), random weights, bf16. The native model is built first
-(random init) and its state dict is mapped into ours with ``conversion/native.py: native_state_dict_to_ours``
+(random init) and its state dict is mapped into ours with ``conversion/native.py: native_state_dict_views``
 (tensors shared, not copied), so both models hold the same weights.
 
 Measured (each with ``torch.cuda.synchronize`` around wall-clock timers, after a warm-up call; the very first call
@@ -34,7 +34,7 @@ import traceback
 import torch
 
 
-from kimi_hybrid.conversion.native import native_state_dict_to_ours  # noqa: E402
+from kimi_hybrid.conversion.native import native_state_dict_views  # noqa: E402
 from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
 
@@ -115,7 +115,7 @@ def build(n_layers):
     cfg = our_config(n_layers)
     with torch.device("meta"):
         ours = KimiHybridForCausalLM(cfg)
-    mapped = native_state_dict_to_ours(native.state_dict())
+    mapped = native_state_dict_views(native.state_dict())
     missing, unexpected = ours.load_state_dict(mapped, strict=False, assign=True)
     if missing or unexpected:
         raise RuntimeError(f"weight mapping: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -18,27 +18,17 @@ import os
 from typing import Any, Dict, List, Optional
 
 from transformers import PretrainedConfig
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
-_KIMI_LINEAR_48B = {
-    "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27,
-    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72, "hidden_act": "silu",
-    "initializer_range": 0.02, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
-    "max_position_embeddings": 1048576, "tie_word_embeddings": False, "use_cache": True,
-    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "mla_use_nope": True, "num_nextn_predict_layers": 0, "num_experts": 256, "num_experts_per_token": 8,
-    "moe_intermediate_size": 1024, "num_shared_experts": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-    "routed_scaling_factor": 2.446, "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
-    "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
-    "linear_attn_config": {
-        "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
-        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
-        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
-    },
-}
+# Kimi-Linear-48B-A3B (Base / Instruct) is the config of the class defaults: every default of
+# KimiHybridConfig.__init__ is the released value, and the default layer plan (every fourth layer and the last one
+# MLA) gives its kda_layers / full_attn_layers.
+_KIMI_LINEAR_48B: Dict[str, Any] = {}
 
 _K3_FULL = [4 * i for i in range(1, 24)] + [93]
 _KIMI_K3 = {
@@ -68,6 +58,52 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 
 _ROUTER_FUNCS = ("sigmoid", "softmax")
 _ACTS = ("silu", "situ")
+
+# -- the released config.json format (Kimi-Linear remote code; K3 text_config; transformers-native kimi_linear) --
+# The 43 top-level keys of the released Kimi-Linear-48B-A3B config.json, sorted.
+RELEASED_KEYS = [
+    "architectures", "auto_map", "bos_token_id", "dtype", "eos_token_id", "first_k_dense_replace", "head_dim",
+    "hidden_act", "hidden_size", "initializer_range", "intermediate_size", "kv_lora_rank", "linear_attn_config",
+    "mla_use_nope", "model_max_length", "model_type", "moe_intermediate_size", "moe_layer_freq", "moe_renormalize",
+    "moe_router_activation_func", "num_attention_heads", "num_expert_group", "num_experts", "num_experts_per_token",
+    "num_hidden_layers", "num_key_value_heads", "num_nextn_predict_layers", "num_shared_experts", "pad_token_id",
+    "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "rms_norm_eps", "rope_scaling", "rope_theta",
+    "routed_scaling_factor", "tie_word_embeddings", "topk_group", "transformers_version", "use_cache",
+    "use_grouped_topk", "v_head_dim", "vocab_size",
+]
+RELEASED_AUTO_MAP = {
+    "AutoConfig": "configuration_kimi.KimiLinearConfig",
+    "AutoModel": "modeling_kimi.KimiLinearModel",
+    "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM",
+}
+# Defaults of the released remote `configuration_kimi.py` for the keys a released config.json may omit.
+RELEASED_DEFAULTS = {
+    "vocab_size": 163840, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "rms_norm_eps": 1e-6, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "mla_use_nope": False, "num_shared_experts": 0, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+    "moe_layer_freq": 1, "q_lora_rank": None, "num_experts": None, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+    "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+# K3-only text_config fields (the released Kimi-Linear format cannot express them)
+K3_KEYS = ("mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
+           "activation_situ_linear_beta", "attn_res_block_size", "topk_method")
+# attribute aliases of transformers' native KimiLinearConfig -> the released names
+NATIVE_ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+                  "n_shared_experts": "num_shared_experts", "n_group": "num_expert_group",
+                  "norm_topk_prob": "moe_renormalize"}
+# native-only keys that carry nothing our config needs (derived, unused, or read above)
+_NATIVE_ONLY = ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "qk_head_dim", "pretraining_tp",
+                "attention_bias", "attention_dropout", "output_router_logits", "max_position_embeddings",
+                "num_local_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "norm_topk_prob")
+# not model fields: bookkeeping of the released file and of transformers' PretrainedConfig.to_dict()
+_NOT_CONFIG = ("architectures", "auto_map", "transformers_version", "quantization_config", "model_type",
+               "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
+               "is_encoder_decoder", "id2label", "label2id", "problem_type", "_name_or_path", "torchscript",
+               "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+               "finetuning_task", "add_cross_attention", "tie_encoder_decoder", "architectures_",
+               "_attn_implementation_autoset", "_commit_hash", "cross_attention_hidden_size", "is_decoder",
+               "pruned_heads", "tf_legacy_loss", "use_bfloat16")
 
 
 class KimiHybridConfig(PretrainedConfig):
@@ -258,6 +294,15 @@ class KimiHybridConfig(PretrainedConfig):
         return bool(self.linear_attn_config.get("use_full_rank_gate", False))
 
     @property
+    def is_k3(self) -> bool:
+        """Whether this is the Kimi K3 architecture (any K3-only switch on: full-rank KDA output gates, the
+        lower-bounded KDA gate, the MLA output gate, latent MoE, SiTU-GLU or AttnRes). K3's checkpoints keep the
+        KDA conv kernels and ``o_norm`` in fp32, so the model keeps them in fp32 too."""
+        return bool(self.use_full_rank_gate or self.gate_lower_bound is not None or self.mla_use_output_gate
+                    or self.routed_expert_hidden_size is not None or self.hidden_act == "situ"
+                    or self.attn_res_block_size > 0)
+
+    @property
     def qk_head_dim(self) -> int:
         """MLA query/key head dim: ``qk_nope_head_dim + qk_rope_head_dim`` (192 for Kimi-Linear)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -376,15 +421,27 @@ class KimiHybridConfig(PretrainedConfig):
 
     @classmethod
     def from_released_dict(cls, d: Dict[str, Any]) -> "KimiHybridConfig":
-        """Read a released Kimi-Linear ``config.json`` dict (``model_type`` "kimi_linear"), or a K3 top-level
-        config (its ``text_config`` is used)."""
+        """The one reader of released config.json files: Kimi-Linear (``model_type`` "kimi_linear", remote code),
+        transformers-native ``kimi_linear`` (``KimiLinearConfig.save_pretrained``: ``layer_types``,
+        ``linear_head_dim``, ``num_local_experts``, ...) and Kimi K3 (a top-level config whose ``text_config`` is
+        read). Keys the file omits take the released remote code's defaults (``RELEASED_DEFAULTS``); the native
+        model's ``mlp_layer_types`` is kept as it decides dense vs MoE there.
+
+        Raises:
+            ValueError: the config's own checks (naming the field), or a native config without a layer plan.
+        """
         d = copy.deepcopy(d)
         if d.get("model_type") == "kimi_k3" or "text_config" in d:
-            d = d["text_config"]
-        for k in ("architectures", "auto_map", "transformers_version", "quantization_config", "model_type"):
+            d = copy.deepcopy(d["text_config"])
+        if "layer_types" in d or "linear_head_dim" in d:
+            d = _native_to_released(d)
+        for k, v in RELEASED_DEFAULTS.items():
+            d.setdefault(k, v)
+        for k in _NOT_CONFIG:
             d.pop(k, None)
-        if "torch_dtype" in d and "dtype" not in d:
-            d["dtype"] = d.pop("torch_dtype")
+        if "torch_dtype" in d:
+            dtype = d.pop("torch_dtype")
+            d.setdefault("dtype", dtype)
         return cls(**d)
 
     @classmethod
@@ -395,8 +452,68 @@ class KimiHybridConfig(PretrainedConfig):
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
             if raw.get("model_type") in ("kimi_linear", "kimi_k3"):
+                logger.warning(
+                    f"{pretrained_model_name_or_path} holds a released {raw['model_type']!r} config.json: read as "
+                    "KimiHybridConfig, but its weights use the released names and must be converted before "
+                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert SRC OUT)")
                 cfg = cls.from_released_dict(raw)
                 for k, v in kwargs.items():
                     setattr(cfg, k, v)
                 return cfg
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    def to_released_dict(self, template: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The one writer of released config.json files: the 43 keys of the released Kimi-Linear file (sorted,
+        ``model_type`` "kimi_linear", 1-based ``linear_attn_config`` lists, ``model_max_length``, ``dtype``), plus
+        the K3 fields (``K3_KEYS``, the KDA gate switches in ``linear_attn_config``) when this is a K3 config
+        (:attr:`is_k3`), which is then the K3 ``text_config``.
+
+        ``template`` (e.g. the released file the checkpoint came from) supplies ``architectures``, ``auto_map``,
+        ``transformers_version`` and ``dtype`` when given.
+        """
+        t = template or {}
+        d = self.to_dict()
+        lac = {k: v for k, v in self.linear_attn_config.items()
+               if self.is_k3 or k not in ("gate_lower_bound", "use_full_rank_gate")}
+        dtype = str(getattr(self, "dtype", None) or t.get("dtype") or "bfloat16").replace("torch.", "")
+        special = {
+            "architectures": t.get("architectures", ["KimiLinearForCausalLM"]),
+            "auto_map": t.get("auto_map", dict(RELEASED_AUTO_MAP)),
+            "dtype": dtype,
+            "linear_attn_config": {k: lac[k] for k in sorted(lac)},
+            "model_max_length": self.max_position_embeddings,
+            "model_type": "kimi_linear",
+            "rope_scaling": self.released_rope_scaling,
+            "rope_theta": self.released_rope_theta,
+            "transformers_version": t.get("transformers_version", "4.57.0"),
+        }
+        out = {k: special[k] if k in special else d.get(k, t.get(k)) for k in RELEASED_KEYS}
+        if self.is_k3:
+            out.update({k: d.get(k) for k in K3_KEYS})
+        return out
+
+
+def _native_to_released(src: Dict[str, Any]) -> Dict[str, Any]:
+    """transformers-native ``kimi_linear`` config dict -> the released field names (1-based layer lists in
+    ``linear_attn_config``, released MoE names, ``model_max_length``); its ``mlp_layer_types`` is kept."""
+    lac = dict(src.get("linear_attn_config") or {})
+    lt = src.get("layer_types")
+    if lt:
+        lac["kda_layers"] = [i + 1 for i, t in enumerate(lt) if t == LINEAR]
+        lac["full_attn_layers"] = [i + 1 for i, t in enumerate(lt) if t == FULL]
+    elif not lac.get("kda_layers"):
+        raise ValueError("native kimi_linear config has neither layer_types nor linear_attn_config lists")
+    lac.setdefault("head_dim", src.get("linear_head_dim", 128))
+    lac.setdefault("num_heads", src.get("linear_num_heads", 32))
+    lac.setdefault("short_conv_kernel_size", src.get("linear_conv_kernel_dim", 4))
+    out = {k: v for k, v in src.items() if k not in _NATIVE_ONLY and k != "layer_types"}
+    for alias, name in NATIVE_ALIASES.items():
+        if alias in src and name not in src:
+            out[name] = src[alias]
+    out["linear_attn_config"] = lac
+    # the native MLA never rotates (NoPE) and always routes with sigmoid scores
+    out.setdefault("mla_use_nope", True)
+    out.setdefault("moe_router_activation_func", "sigmoid")
+    if "max_position_embeddings" in src and "model_max_length" not in src:
+        out["model_max_length"] = src["max_position_embeddings"]
+    return out

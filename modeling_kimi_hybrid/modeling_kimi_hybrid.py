@@ -14,6 +14,7 @@ Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, List, Optional, Tuple, Union
@@ -44,6 +45,8 @@ from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
+from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
+from .norms_kimi_hybrid import KimiGatedRMSNorm, KimiRMSNorm
 
 __all__ = [
     "KimiHybridPreTrainedModel",
@@ -58,371 +61,99 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# norms and activations
+# input checks and the adapter guard of fused weight reads
 # ----------------------------------------------------------------------------------------------------------------
 
-class KimiRMSNorm(nn.Module):
-    """T5-style RMSNorm: variance in fp32, cast back to the input dtype, then times the weight. ``[..., D]``."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
+def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
+    """``module.weight`` for code that reads a weight directly instead of calling the module (fused kernels).
+    Raises ValueError when the module is wrapped by a PEFT tuner layer (LoRA, ...): its extra path would be silently
+    skipped. A ``modules_to_save`` wrapper is fine (its ``weight`` is the trained copy)."""
+    if type(module).__module__.startswith("peft.tuners"):
+        raise ValueError(
+            f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
+            f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
+            "(list the modules to adapt by name; with target_modules='all-linear' add "
+            f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
+    return module.weight
 
 
-class KimiGatedRMSNorm(nn.Module):
-    """KDA output norm: ``RMSNorm(o) * weight * sigmoid(gate)`` over the head dim, all in fp32, cast back.
-    ``o``, ``gate``: ``[..., H, K]``."""
-
-    def __init__(self, head_dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(head_dim))
-        self.variance_epsilon = eps
-
-    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = gate.dtype
-        h = o.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        h = h * self.weight.float() * torch.sigmoid(gate.float())
-        return h.to(dtype)
-
-
-def glu_act(config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gated activation of every MLP: SiLU-GLU ``silu(g) * u`` (Kimi-Linear) or SiTU-GLU (K3, fp32):
-    ``beta*tanh(g/beta)*sigmoid(g) * beta_lin*tanh(u/beta_lin)`` (beta_lin None: plain u)."""
-    if config.hidden_act == "silu":
-        return F.silu(gate) * up
-    b = config.activation_situ_beta if config.activation_situ_beta is not None else 1.0
-    bl = config.activation_situ_linear_beta
-    g, u = gate.float(), up.float()
-    left = b * torch.tanh(g / b) * torch.sigmoid(g)
-    right = u if bl is None else bl * torch.tanh(u / bl)
-    return (left * right).to(gate.dtype)
+def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError for input ids that are not ``[batch, seq]`` integers with seq >= 1 and values in
+    ``[0, vocab_size)``. The range check reads two values back from the device, so it is skipped under torch.compile
+    and during CUDA-graph capture (where an out-of-range id is still caught by the eager steps before)."""
+    if input_ids.dim() != 2:
+        hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
+                         "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    if _compiling() or _graph_capturing(input_ids):
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"input_ids holds ids in [{lo}, {hi}] but the vocabulary has {vocab_size} entries "
+                         f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
 
 
-class KimiMLP(nn.Module):
-    """Dense gated MLP (layer 0, and the shared experts): ``down(act(gate(x), up(x)))``. ``[..., D] -> [..., D]``."""
-
-    def __init__(self, config: KimiHybridConfig, intermediate_size: Optional[int] = None):
-        super().__init__()
-        self.config = config
-        inter = intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_act(self.config, self.gate_proj(x), self.up_proj(x)))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# MoE
-# ----------------------------------------------------------------------------------------------------------------
-
-class KimiRouter(nn.Module):
-    """MoE router (DeepSeek-V3 / Kimi): fp32 logits, sigmoid (or softmax) scores, ``e_score_correction_bias`` added
-    for the choice only, grouped top-k, weights = unbiased scores of the chosen experts, renormalised, times
-    ``routed_scaling_factor``.
-
-    ``weight [E, D]``, ``e_score_correction_bias [E]`` (fp32 whatever the model dtype).
-    Returns ``(router_logits [N, E] fp32, topk_weights [N, k] fp32, topk_idx [N, k] int64)``.
-    """
-
-    def __init__(self, config: KimiHybridConfig):
-        super().__init__()
-        self.config = config
-        self.num_experts = config.num_experts
-        self.top_k = config.num_experts_per_token
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
-
-    def forward(self, x: torch.Tensor):
-        c = self.config
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if c.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float()
-        G = c.num_expert_group if c.use_grouped_topk else 1
-        if G > 1:
-            grouped = choice.view(-1, G, self.num_experts // G)
-            top = min(2, grouped.shape[-1])
-            group_scores = grouped.topk(top, dim=-1).values.sum(-1)
-            keep = group_scores.topk(c.topk_group, dim=-1).indices
-            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask.repeat_interleave(self.num_experts // G, dim=1), float("-inf"))
-        idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.top_k > 1 and c.moe_renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return logits, w * c.routed_scaling_factor, idx
+def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static: bool) -> None:
+    """Raise ValueError unless ``mask`` is 2-D ``[B, cols]`` with cols = T without cached tokens, T or past + T with
+    ``past`` cached tokens (dynamic cache), and at least T in static mode (whose length is not read on the host)."""
+    if mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {mask.dim()}-D")
+    cols = mask.shape[1]
+    if mask.shape[0] != B:
+        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the input has batch {B}")
+    if not static and past == 0 and cols != T:
+        raise ValueError(f"attention_mask has {cols} columns for {T} tokens and no cached tokens: without a filled "
+                         "past_key_values it must be [batch, seq]")
+    if not static and past > 0 and cols not in (T, past + T):
+        raise ValueError(f"attention_mask has {cols} columns; with {past} cached tokens and {T} new ones it must "
+                         f"have {past + T} (past + new) or {T} (new only)")
+    if cols < T:
+        raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
 
 
-class KimiExperts(nn.Module):
-    """Routed experts stored fused: ``gate_up_proj [E, 2F, D_e]`` (rows [:F] = w1 gate, [F:] = w3 up) and
-    ``down_proj [E, D_e, F]`` (w2). Token-expert pairs are sorted by expert and each expert that received tokens
-    runs one GEMM on its contiguous slice (a grouped GEMM on CUDA when ``torch._grouped_mm`` is available); the
-    combine multiplies by the routing weight and sums in fp32, as the official code does.
-
-    Input ``x [N, D_e]``, ``topk_idx / topk_w [N, k]``; output ``[N, D_e]`` in x.dtype.
-    """
-
-    def __init__(self, config: KimiHybridConfig, in_dim: int):
-        super().__init__()
-        self.config = config
-        E, F_ = config.num_experts, config.moe_intermediate_size
-        self.num_experts, self.intermediate = E, F_
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F_, in_dim))
-        self.down_proj = nn.Parameter(torch.empty(E, in_dim, F_))
-
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        N, k = topk_idx.shape
-        gate_up = self.gate_up_proj  # read once: PEFT target_parameters returns the adapted tensor here
-        down = self.down_proj
-        if _moe_gemv_applies(self.config, x, gate_up, down, N * k):
-            return moe_decode_gemv(x, topk_idx, topk_w, gate_up, down)
-        flat = topk_idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        token_of = order // k
-        xs = x[token_of]
-        # scatter_add, not bincount: bincount synchronises with the host on CUDA (it reads max()), which would
-        # break CUDA-graph capture of a decode step
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        ys = _grouped_expert_mlp(self.config, xs, gate_up, down, counts, self.intermediate)
-        ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
-        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, ys)
-        return out.to(x.dtype)
+def _graph_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# decode-sized MoE on CUDA: expert GEMVs that read each chosen expert's weights in place (Triton)
-# ----------------------------------------------------------------------------------------------------------------
-
-MOE_GEMV_MAX_PAIRS = 32  # token-expert pairs; above this the grouped GEMM reads each hit expert once instead
-
-# (a try block, not `if`: transformers' remote-code loader requires every import outside try blocks to be installed)
-try:  # triton ships with CUDA builds of torch; without it the grouped / looped paths serve every device
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _moe_gate_up_glu_kernel(x_ptr, w_ptr, idx_ptr, h_ptr, D: tl.constexpr, F: tl.constexpr, K_TOP: tl.constexpr,
-                                BN: tl.constexpr, BD: tl.constexpr):
-        """Widths are compile-time constants (one model, one compile). Program (pair m, block of BN intermediate
-        channels): ``h[m, n] = silu(W1[e] x) * (W3[e] x)`` with
-        ``e = idx[m]``, ``x = x[m // K_TOP]``; ``W [E, 2F, D]`` rows [:F] gate, [F:] up; fp32 accumulation."""
-        m = tl.program_id(0)
-        rows = tl.program_id(1) * BN + tl.arange(0, BN)
-        rmask = rows < F
-        e = tl.load(idx_ptr + m).to(tl.int64)
-        tok = m // K_TOP
-        base = w_ptr + e * (2 * F) * D
-        acc_g = tl.zeros([BN], dtype=tl.float32)
-        acc_u = tl.zeros([BN], dtype=tl.float32)
-        for d0 in range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            cmask = cols < D
-            xv = tl.load(x_ptr + tok * D + cols, mask=cmask, other=0.0).to(tl.float32)
-            m2 = rmask[:, None] & cmask[None, :]
-            wg = tl.load(base + rows[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            wu = tl.load(base + (rows[:, None] + F) * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], axis=1)
-            acc_u += tl.sum(wu * xv[None, :], axis=1)
-        gate = acc_g.to(h_ptr.dtype.element_ty).to(tl.float32)  # the unfused path rounds both to x.dtype first
-        up = acc_u.to(h_ptr.dtype.element_ty).to(tl.float32)
-        h = gate * tl.sigmoid(gate) * up
-        tl.store(h_ptr + m * F + rows, h.to(h_ptr.dtype.element_ty), mask=rmask)
-
-    @triton.jit
-    def _moe_down_kernel(h_ptr, w_ptr, idx_ptr, wt_ptr, y_ptr, D: tl.constexpr, F: tl.constexpr, BN: tl.constexpr,
-                         BF: tl.constexpr):
-        """Program (pair m, block of BN output channels): ``y[m, n] = wt[m] * (W2[e] h[m])[n]`` in fp32,
-        ``W2 [E, D, F]``."""
-        m = tl.program_id(0)
-        rows = tl.program_id(1) * BN + tl.arange(0, BN)
-        rmask = rows < D
-        e = tl.load(idx_ptr + m).to(tl.int64)
-        base = w_ptr + e * D * F
-        acc = tl.zeros([BN], dtype=tl.float32)
-        for f0 in range(0, F, BF):
-            cols = f0 + tl.arange(0, BF)
-            cmask = cols < F
-            hv = tl.load(h_ptr + m * F + cols, mask=cmask, other=0.0).to(tl.float32)
-            w = tl.load(base + rows[:, None] * F + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(w * hv[None, :], axis=1)
-        acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)  # the unfused path's GEMM output is in x.dtype
-        wt = tl.load(wt_ptr + m).to(tl.float32)
-        tl.store(y_ptr + m * D + rows, acc * wt, mask=rmask)
-
-    _MOE_TRITON = True
-except Exception:  # noqa: BLE001
-    _MOE_TRITON = False
-
-_MOE_TRITON_ENABLED = os.environ.get("KIMI_HYBRID_DISABLE_MOE_GEMV", "0") != "1"
+def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return None
+    starts = position_ids == 0
+    if not bool(starts[:, 1:].any()):
+        return None
+    starts = starts.clone()
+    starts[:, 0] = True
+    return starts.long().cumsum(1)
 
 
-def _moe_gemv_applies(config, x, gate_up, down, pairs) -> bool:
-    return (_MOE_TRITON and _MOE_TRITON_ENABLED and x.is_cuda and pairs <= MOE_GEMV_MAX_PAIRS
-            and config.hidden_act == "silu" and not (torch.is_grad_enabled() and
-                                                     (gate_up.requires_grad or down.requires_grad or x.requires_grad))
-            and gate_up.is_contiguous() and down.is_contiguous())
+def _packed_segments(cu_seqlens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], B: int,
+                     device: torch.device) -> Optional[torch.Tensor]:
+    """Document ids ``[B, T]`` of packed rows: from ``cu_seqlens [N + 1]`` (batch 1 only; ValueError otherwise), else
+    from position ids restarting at 0 (see :func:`_segment_ids_from_positions`); None when nothing is packed."""
+    if cu_seqlens is None:
+        return _segment_ids_from_positions(position_ids)
+    if B != 1:
+        raise ValueError("cu_seqlens describes packed documents of batch 1; flatten the batch first")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths).unsqueeze(0)
 
 
-def moe_decode_gemv(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
-    """Routed experts for a few tokens (decode) as expert GEMVs that read the chosen experts' weights in place: no
-    sort, no gather of weights, no host synchronisation (CUDA-graph safe). Two Triton launches (gate/up + SiLU-GLU,
-    then down times the routing weight), and a sum over the k choices in fp32 (the grouped path's combine).
+def _cu_seqlens_from_segments(segs: torch.Tensor, T: int) -> torch.Tensor:
+    """Boundaries ``[N + 1]`` (int64) of the documents of ``segs [B, T]`` over the ``B * T`` flattened tokens (a row
+    end is a boundary too), as KDA's varlen kernels read them."""
+    B = segs.shape[0]
+    flat = (segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)).reshape(-1)
+    change = torch.ones_like(flat, dtype=torch.bool)
+    change[1:] = flat[1:] != flat[:-1]
+    starts = change.nonzero().flatten()
+    return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
 
-    Args:
-        x: ``[N, D]`` (bf16 / fp16 / fp32, CUDA). topk_idx: ``[N, k]`` int64 expert ids. topk_w: ``[N, k]`` routing
-            weights (fp32). gate_up: ``[E, 2F, D]`` (rows [:F] w1, [F:] w3), down: ``[E, D, F]``, contiguous.
-
-    Returns:
-        ``[N, D]`` in x.dtype. The gate / up / down products are rounded to x.dtype where the grouped path rounds
-        them (SiLU-GLU on the rounded values), so both paths agree to accumulation order.
-
-    Why: at batch 1 the grouped GEMM over 256 experts took ~32 us per launch on an H200 for 8 experts' weights
-    (75 MB gate/up: ~16 us at 4.8 TB/s) plus a sort, a gather and an index_add around it.
-    """
-    N, k = topk_idx.shape
-    E, F2, D = gate_up.shape
-    F_ = F2 // 2
-    M = N * k
-    idx = topk_idx.reshape(-1).contiguous()
-    wt = topk_w.reshape(-1).float().contiguous()
-    xc = x.contiguous()
-    h = torch.empty(M, F_, dtype=x.dtype, device=x.device)
-    _moe_gate_up_glu_kernel[(M, triton.cdiv(F_, block_n))](xc, gate_up, idx, h, D=D, F=F_, K_TOP=k, BN=block_n,
-                                                            BD=block_k, num_warps=4)
-    y = torch.empty(M, D, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(M, triton.cdiv(D, block_n))](h, down, idx, wt, y, D=D, F=F_, BN=block_n, BF=block_k,
-                                                    num_warps=4)
-    return y.view(N, k, D).sum(1).to(x.dtype)
-
-
-def _grouped_gemm_fn():
-    """``torch.nn.functional.grouped_mm`` (torch >= 2.10) or ``torch._grouped_mm`` (2.8 / 2.9), else None."""
-    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def _grouped_mm_ok(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the CUDA grouped GEMM applies: bf16 operands (the dtype its CUTLASS kernels serve on every torch
-    of our window), every row stride a multiple of 16 bytes (D and F multiples of 8) and 16-byte aligned bases,
-    compute capability >= 8.0 (9.0 for torch < 2.9)."""
-    if not (xs.is_cuda and xs.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
-            and down.dtype == torch.bfloat16):
-        return False
-    D, F_ = down.shape[1], down.shape[2]
-    if D % 8 or F_ % 8:
-        return False
-    # (data_ptr is opaque to torch.compile; traced tensors come from the caching allocator, 512-byte aligned)
-    if not _compiling() and any(t.data_ptr() % 16 for t in (xs, gate_up, down)):
-        return False
-    if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
-        return False
-    major, minor = torch.cuda.get_device_capability(xs.device)
-    return (major, minor) >= (8, 0) if hasattr(F, "grouped_mm") or _torch_at_least(2, 9) else major == 9
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    v = torch.__version__.split("+")[0].split(".")
-    try:
-        return (int(v[0]), int(v[1])) >= (major, minor)
-    except ValueError:  # pragma: no cover
-        return True
-
-
-def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
-    """Routed experts on token-expert pairs sorted by expert.
-
-    Args:
-        xs: ``[M, D]`` inputs, rows sorted by expert (expert e owns ``counts[e]`` consecutive rows).
-        gate_up: ``[E, 2F, D]`` fused w1 | w3. down: ``[E, D, F]`` (w2). counts: ``[E]`` int64 on xs.device.
-        F_: expert intermediate width F.
-
-    Returns:
-        ``[M, D]`` in xs.dtype: ``down_e(act(gate_e(x), up_e(x)))`` for each row's expert.
-
-    On CUDA with bf16 weights this is two grouped GEMMs (``F.grouped_mm``/``torch._grouped_mm``, one CUTLASS launch
-    each over all experts; empty experts cost nothing and read no weights), with the group ends ``offs`` kept on the
-    device: no host synchronisation, so batch-1 decode neither loops over experts in Python nor blocks, and the step
-    can be CUDA-graph captured. Elsewhere (CPU, fp32, odd widths) a loop over the experts that received tokens only.
-    """
-    gm = _grouped_gemm_fn()
-    if gm is not None and xs.shape[0] > 0 and _grouped_mm_ok(xs, gate_up, down):
-        offs = counts.cumsum(0).to(torch.int32)
-        h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
-        h = glu_act(config, h[:, :F_], h[:, F_:])
-        return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
-    if xs.is_cuda and (_compiling() or torch.cuda.is_current_stream_capturing()):
-        # (under torch.compile too: the graph that a compiled CUDA-graph step warms up must be the one captured)
-        # CUDA-graph capture without the grouped GEMM (fp32, odd widths): no host read is allowed, so gather each
-        # row's expert weights and use batched products (decode-sized M only: it reads M expert matrices)
-        M = xs.shape[0]
-        eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
-        h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
-        h = glu_act(config, h[:, :F_], h[:, F_:])
-        return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
-    out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
-    n_of = counts.tolist()  # one host read; then only the experts that received tokens run
-    start = 0
-    for e, n in enumerate(n_of):
-        if n == 0:
-            continue
-        seg = xs[start:start + n]
-        h = seg @ gate_up[e].t().to(seg.dtype)
-        h = glu_act(config, h[:, :F_], h[:, F_:])
-        out[start:start + n] = h @ down[e].t().to(h.dtype)
-        start += n
-    return out
-
-
-class KimiMoE(nn.Module):
-    """Sparse MoE block (``block_sparse_moe`` in the released checkpoints, ``mlp`` here).
-
-    ``y = sum_k w_k expert_{e_k}(x) + shared(x)``; with K3's latent MoE (``routed_expert_hidden_size`` set) the
-    routed experts run on ``z = routed_expert_down_proj(x)`` and their combined output goes through
-    ``routed_expert_norm`` (if ``latent_moe_use_norm``) and ``routed_expert_up_proj`` before the shared experts are
-    added. ``[B, T, D] -> [B, T, D]``.
-    """
-
-    def __init__(self, config: KimiHybridConfig):
-        super().__init__()
-        self.config = config
-        L = config.routed_expert_hidden_size
-        self.latent = L is not None
-        self.gate = KimiRouter(config)
-        self.experts = KimiExperts(config, L if self.latent else config.hidden_size)
-        if self.latent:
-            self.routed_expert_down_proj = nn.Linear(config.hidden_size, L, bias=False)
-            self.routed_expert_up_proj = nn.Linear(L, config.hidden_size, bias=False)
-            if config.latent_moe_use_norm:
-                self.routed_expert_norm = KimiRMSNorm(L, eps=config.rms_norm_eps)
-        if config.num_shared_experts:
-            self.shared_experts = KimiMLP(config, config.moe_intermediate_size * config.num_shared_experts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        _, w, idx = self.gate(flat)
-        z = self.routed_expert_down_proj(flat) if self.latent else flat
-        y = self.experts(z, idx, w)
-        if self.latent:
-            if self.config.latent_moe_use_norm:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
-        if self.config.num_shared_experts:
-            y = y + self.shared_experts(flat)
-        return y.view(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -625,6 +356,28 @@ class KimiDeltaAttention(nn.Module):
 # MLA
 # ----------------------------------------------------------------------------------------------------------------
 
+_OUT_DTYPE_OK = {}
+
+
+def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
+    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
+    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
+    if a.dtype == torch.float32:
+        return torch.bmm(a, b)
+    key = (a.device.type, a.dtype)
+    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
+        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
+    if _OUT_DTYPE_OK.get(key, True):
+        try:
+            out = torch.bmm(a, b, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[key] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[key] = False
+    return torch.bmm(a, b).float()
+
+
 class KimiMLAttention(nn.Module):
     """NoPE Multi-head Latent Attention (DeepSeek-V2 MLA without rotary; K3 adds a low-rank query and a sigmoid output
     gate). The cache holds only ``latent = [RMSNorm(c_kv) | k_pe]`` (``kv_lora_rank + qk_rope_head_dim`` per token).
@@ -746,30 +499,8 @@ class KimiMLAttention(nn.Module):
         return out.transpose(0, 1).reshape(B, T, H, dv)
 
 
-_OUT_DTYPE_OK = {}
-
-
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
-    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
-    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    key = (a.device.type, a.dtype)
-    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
-        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
-    if _OUT_DTYPE_OK.get(key, True):
-        try:
-            out = torch.bmm(a, b, out_dtype=torch.float32)
-            _OUT_DTYPE_OK[key] = True
-            return out
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK[key] = False
-    return torch.bmm(a, b).float()
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# decoder
+# decoder layers
 # ----------------------------------------------------------------------------------------------------------------
 
 def attn_res_mix(prefix: torch.Tensor, bank: List[torch.Tensor], proj_w: torch.Tensor, norm_w: torch.Tensor,
@@ -784,8 +515,17 @@ def attn_res_mix(prefix: torch.Tensor, bank: List[torch.Tensor], proj_w: torch.T
 
 
 class KimiDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm decoder layer: ``h += attn(norm(h)); h += mlp(norm(h))`` (KDA or MLA, dense MLP or MoE). With K3's
-    AttnRes the layer carries the partial block sum and the block bank instead of a residual stream."""
+    """Pre-norm decoder layer: ``h += attn(norm(h)); h += mlp(norm(h))`` (KDA or MLA, dense MLP or MoE).
+
+    ``forward(hidden_states [B, T, D], attention_mask=..., past_key_values=..., cu_seqlens=...)`` returns the
+    1-tuple ``(hidden_states,)``: every layer returns its residual stream as a tuple (see
+    :class:`KimiAttnResDecoderLayer`, whose stream also carries the block bank). ``attention_mask`` is the mask of
+    this layer's type: the ``[B, T]`` token mask for KDA, the ``[B, 1, T, T_keys]`` bool mask / ``CausalBias`` /
+    None for MLA; ``cu_seqlens`` (packed documents) is read by KDA only.
+    """
+
+    # the cache is passed on under gradient checkpointing too (the model drops it for training with checkpointing)
+    _can_checkpoint_with_cache = True
 
     def __init__(self, config: KimiHybridConfig, layer_idx: int):
         super().__init__()
@@ -798,26 +538,45 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
         self.mlp = KimiMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiMLP(config)
         self.input_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiRMSNorm(D, eps=config.rms_norm_eps)
-        self.attn_res = config.attn_res_block_size > 0
-        if self.attn_res:
-            self.self_attention_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
-            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
-            self.mlp_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
-            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
 
-    def _attn(self, h, cache, ctx):
+    def _attend(self, x: torch.Tensor, attention_mask, cache, cu_seqlens) -> torch.Tensor:
         if self.layer_type == LINEAR:
-            return self.self_attn(h, cache, ctx["token_mask"], ctx["cu_seqlens"])
-        return self.self_attn(h, cache, ctx["mla_mask"])
+            return self.self_attn(x, cache, attention_mask, cu_seqlens)
+        return self.self_attn(x, cache, attention_mask)
 
-    def forward(self, hidden_states: torch.Tensor, cache, ctx: dict, *bank: torch.Tensor):
-        """Returns ``(prefix_sum or hidden state, bank)``. The AttnRes bank comes as positional tensors so that a
-        reentrant gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph)."""
-        if not self.attn_res:
-            h = hidden_states
-            h = h + self._attn(self.input_layernorm(h), cache, ctx)
-            return h + self.mlp(self.post_attention_layernorm(h)), None
-        # K3 AttnRes (docs/k3.md section 2)
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Tuple[torch.Tensor, ...]:
+        h = hidden_states
+        h = h + self._attend(self.input_layernorm(h), attention_mask, past_key_values, cu_seqlens)
+        return (h + self.mlp(self.post_attention_layernorm(h)),)
+
+
+_ATTN_RES_WHY = "AttnRes scores are one fused fp32 product with the projection's [1, D] weight"
+
+
+class KimiAttnResDecoderLayer(KimiDecoderLayer):
+    """K3 decoder layer with block attention residuals (AttnRes, Kimi K3 section 1.3) instead of a residual stream.
+
+    The stream is ``(p, *bank)``: ``p [B, T, D]`` the partial sum of the current block's sub-layer outputs, ``bank``
+    the snapshots that opened each block (the embeddings first). Each sub-layer reads ``attn_res_mix`` of the bank
+    and ``p`` (a softmax over depth) instead of ``p``; a layer whose index is a multiple of ``attn_res_block_size``
+    pushes ``p`` to the bank and starts a new block. The bank travels as positional tensors so that a reentrant
+    gradient checkpoint sees them as inputs (a list argument would be replayed on the outer graph).
+    ``forward(p, *bank, attention_mask=..., past_key_values=..., cu_seqlens=...)`` returns ``(p, *bank)``.
+    """
+
+    def __init__(self, config: KimiHybridConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        D = config.hidden_size
+        self.self_attention_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = KimiRMSNorm(D, eps=config.rms_norm_eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, *bank: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Optional[KimiHybridCache] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> Tuple[torch.Tensor, ...]:
         eps = self.config.rms_norm_eps
         p = hidden_states
         bank = list(bank)
@@ -828,11 +587,49 @@ class KimiDecoderLayer(GradientCheckpointingLayer):
         if self.layer_idx % self.config.attn_res_block_size == 0:
             bank.append(p)
             p = None
-        a = self._attn(self.input_layernorm(x_attn), cache, ctx)
+        a = self._attend(self.input_layernorm(x_attn), attention_mask, past_key_values, cu_seqlens)
         p = a if p is None else p + a
         x_mlp = attn_res_mix(p, bank, direct_weight(self.mlp_res_proj, "mlp_res_proj", _ATTN_RES_WHY),
                              self.mlp_res_norm.weight, eps)
-        return p + self.mlp(self.post_attention_layernorm(x_mlp)), bank
+        return (p + self.mlp(self.post_attention_layernorm(x_mlp)), *bank)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model classes
+# ----------------------------------------------------------------------------------------------------------------
+
+def _weights_come_from_rank0() -> bool:
+    """True on the ranks > 0 of an FSDP run with cpu-RAM-efficient loading: they build the model without reading the
+    checkpoint and receive the weights from rank 0 (which does the strict key check for everyone)."""
+    try:
+        from transformers.modeling_utils import is_fsdp_enabled, is_local_dist_rank_0
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
+
+
+RELEASED_MODEL_TYPES = ("kimi_linear", "kimi_k3")  # config.json model_type of released / native checkpoints
+
+
+def _refuse_released_folder(source, subfolder: str, cls_name: str) -> None:
+    """Raise ValueError when ``source`` is a local folder holding a released Kimi-Linear / K3 (or transformers-native
+    ``kimi_linear``) checkpoint, whose tensor names and layout this model does not load, with the command that
+    converts it. Reads config.json only, never a weight file."""
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return
+    path = os.path.join(source, subfolder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config here: transformers reports that itself
+    if model_type in RELEASED_MODEL_TYPES:
+        src = os.path.join(str(source), subfolder) if subfolder else str(source)
+        out = src.rstrip("/\\") + "-kimi-hybrid"
+        raise ValueError(
+            f"{src!r} holds a {model_type!r} checkpoint (released Kimi-Linear / K3 or transformers-native layout): "
+            f"its tensor names and fused layouts differ from {cls_name}'s, so no weight was loaded. Convert it once "
+            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert {src} {out}")
 
 
 class KimiHybridPreTrainedModel(PreTrainedModel):
@@ -860,9 +657,12 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             *args, **kwargs: as ``PreTrainedModel.from_pretrained`` (``output_loading_info`` included).
 
         Raises:
-            ValueError: missing or unexpected checkpoint keys (a released-layout or native ``kimi_linear`` checkpoint
-                needs ``kimi-hybrid-convert`` first).
+            ValueError: before any weight is read, for a local folder whose config.json is a released Kimi-Linear /
+                K3 or transformers-native ``kimi_linear`` one (its tensors use the released names; the message gives
+                the ``kimi-hybrid-convert SRC OUT`` command); missing or unexpected checkpoint keys.
         """
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        _refuse_released_folder(source, kwargs.get("subfolder") or "", cls.__name__)
         want_info = bool(kwargs.pop("output_loading_info", False))
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if strict_loading and not _weights_come_from_rank0():
@@ -910,87 +710,6 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
 
-def _weights_come_from_rank0() -> bool:
-    """True on the ranks > 0 of an FSDP run with cpu-RAM-efficient loading: they build the model without reading the
-    checkpoint and receive the weights from rank 0 (which does the strict key check for everyone)."""
-    try:
-        from transformers.modeling_utils import is_fsdp_enabled, is_local_dist_rank_0
-    except ImportError:  # pragma: no cover - older transformers
-        return False
-    return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
-
-
-_ATTN_RES_WHY = "AttnRes scores are one fused fp32 product with the projection's [1, D] weight"
-
-
-def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
-    """``module.weight`` for code that reads a weight directly instead of calling the module (fused kernels).
-    Raises ValueError when the module is wrapped by a PEFT tuner layer (LoRA, ...): its extra path would be silently
-    skipped. A ``modules_to_save`` wrapper is fine (its ``weight`` is the trained copy)."""
-    if type(module).__module__.startswith("peft.tuners"):
-        raise ValueError(
-            f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
-            f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
-            "(list the modules to adapt by name; with target_modules='all-linear' add "
-            f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
-    return module.weight
-
-
-def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError for input ids that are not ``[batch, seq]`` integers with seq >= 1 and values in
-    ``[0, vocab_size)``. The range check reads two values back from the device, so it is skipped under torch.compile
-    and during CUDA-graph capture (where an out-of-range id is still caught by the eager steps before)."""
-    if input_ids.dim() != 2:
-        hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
-        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
-                         "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    if _compiling() or _graph_capturing(input_ids):
-        return
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"input_ids holds ids in [{lo}, {hi}] but the vocabulary has {vocab_size} entries "
-                         f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
-
-
-def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static: bool) -> None:
-    """Raise ValueError unless ``mask`` is 2-D ``[B, cols]`` with cols = T without cached tokens, T or past + T with
-    ``past`` cached tokens (dynamic cache), and at least T in static mode (whose length is not read on the host)."""
-    if mask.dim() != 2:
-        raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {mask.dim()}-D")
-    cols = mask.shape[1]
-    if mask.shape[0] != B:
-        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the input has batch {B}")
-    if not static and past == 0 and cols != T:
-        raise ValueError(f"attention_mask has {cols} columns for {T} tokens and no cached tokens: without a filled "
-                         "past_key_values it must be [batch, seq]")
-    if not static and past > 0 and cols not in (T, past + T):
-        raise ValueError(f"attention_mask has {cols} columns; with {past} cached tokens and {T} new ones it must "
-                         f"have {past + T} (past + new) or {T} (new only)")
-    if cols < T:
-        raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
-
-
-def _graph_capturing(t: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-        return None
-    starts = position_ids == 0
-    if not bool(starts[:, 1:].any()):
-        return None
-    starts = starts.clone()
-    starts[:, 0] = True
-    return starts.long().cumsum(1)
-
-
 class KimiHybridModel(KimiHybridPreTrainedModel):
     """The decoder stack: embeddings, layers, final norm (and K3's exit AttnRes). Returns the last hidden state
     ``[B, T, D]`` and the :class:`KimiHybridCache`."""
@@ -998,12 +717,14 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        layer_cls = KimiAttnResDecoderLayer if config.attn_res_block_size > 0 else KimiDecoderLayer
+        self.layers = nn.ModuleList([layer_cls(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.attn_res_block_size > 0:
             self.output_attn_res_norm = KimiRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-        if config.use_full_rank_gate:
+            self._no_split_modules = list(self._no_split_modules) + ["KimiAttnResDecoderLayer"]
+        if config.is_k3:
             # K3 keeps the KDA conv kernels and o_norm in fp32 on disk and at run time (also for AutoModel loads)
             self._keep_in_fp32_modules_strict = list(self._keep_in_fp32_modules_strict) + [
                 "q_conv1d", "k_conv1d", "v_conv1d", "o_norm"]
@@ -1036,73 +757,109 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         output repeats that of the last real token before it in the same call (right-padded rows generate right).
         Raises ValueError on a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given
         cache, or a static cache that would overflow."""
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        cache = self._prepare_cache(past_key_values, use_cache, inputs_embeds)
+        # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
+        # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
+        cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
+            attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
+
+        all_hidden = [] if output_hidden_states else None
+        stream = (inputs_embeds,)  # (hidden states,), or K3's (partial block sum, *block bank)
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(stream[0])
+            stream = layer(*stream, attention_mask=kda_mask if layer.layer_type == LINEAR else mla_mask,
+                           past_key_values=cache, cu_seqlens=kda_cu_seqlens)
+        h = self.norm(self._exit_mix(stream))
+        if kda_mask is not None:
+            h = self._repeat_last_real(h, kda_mask, cache)
+        if cache is not None and not cache.static:
+            cache.last_hidden = h[:, -1].detach().clone()
+        if all_hidden is not None:
+            all_hidden.append(h)
+        if cache is not None:
+            cache.advance(h.shape[1])
+        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache else None,
+                                      hidden_states=tuple(all_hidden) if all_hidden is not None else None)
+        return out if return_dict is not False else out.to_tuple()
+
+    # -- forward steps, in call order -------------------------------------------------------------------------------
+    def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+        """Checked ``inputs_embeds [B, T, D]`` from exactly one of ``input_ids`` / ``inputs_embeds``."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
             _check_input_ids(input_ids, self.config.vocab_size)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
+            return self.embed_tokens(input_ids)
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
             raise ValueError(f"inputs_embeds must be [batch, seq, hidden] with seq >= 1, "
                              f"got {tuple(inputs_embeds.shape)}")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        return inputs_embeds
+
+    def _prepare_cache(self, past_key_values, use_cache: bool, inputs_embeds: torch.Tensor
+                       ) -> Optional[KimiHybridCache]:
+        """The :class:`KimiHybridCache` this call reads and writes (an empty transformers cache is replaced, a new
+        one made for ``use_cache``), checked against this model and allocated for the input's batch / dtype."""
         B, T, _ = inputs_embeds.shape
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
         cache = KimiHybridCache.from_user_cache(past_key_values, self.config, use_cache=use_cache)
+        if cache is None:
+            return None
+        static = cache.static
+        cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
+        if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
+            raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
+        # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
+        # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
+        if (static and not _compiling() and not _graph_capturing(inputs_embeds)
+                and cache.seen_tokens + T > cache.max_cache_len):
+            raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
+                             f"tokens and cannot take {T} more")
+        return cache
+
+    def _build_masks(self, attention_mask, position_ids, cu_seqlens, cache, cache_given: bool,
+                     inputs_embeds: torch.Tensor):
+        """The masks of both layer types, built once per call.
+
+        Returns ``(cache, kda_mask, kda_cu_seqlens, mla_mask)``: ``kda_mask [B, T]`` bool (False = pad; None when
+        every token is real, or for packed inputs), ``kda_cu_seqlens [N + 1]`` document boundaries over the
+        flattened tokens (packed inputs, else None), ``mla_mask`` bool ``[B, 1, T, T_keys]`` / ``CausalBias`` / None
+        (plain causal). Packed inputs run without a cache (``cache`` comes back None), and raise ValueError when
+        the caller gave one. The cache's key mask is updated with this call's tokens.
+        """
+        B, T, device = inputs_embeds.shape[0], inputs_embeds.shape[1], inputs_embeds.device
         static = cache is not None and cache.static
-        if cache is not None:
-            cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
-            if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
-                raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
-            # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
-            # where a host read is illegal; kernels/cuda_graph.GraphDecoder checks the room on the host instead)
-            if (static and not _compiling() and not _graph_capturing(inputs_embeds)
-                    and cache.seen_tokens + T > cache.max_cache_len):
-                raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
-                                 f"tokens and cannot take {T} more")
         # static mode never reads the Python length here (a compiled decode step must not specialise on it): its
         # positions come from the device counter cache._pos, and its zero-initialised buffers act as "no state"
         past = 0 if cache is None or static else cache.seen_tokens
-
-        # -- masks ----------------------------------------------------------------------------------------------
         token_mask = None
         if attention_mask is not None:
             _check_attention_mask(attention_mask, B, T, past, static)
             token_mask = attention_mask[:, -T:].bool()
             if attention_mask.shape[1] == past + T and cache is not None and cache.key_mask is not None \
-                    and not cache.static and past > 0:
+                    and not static and past > 0:
                 # trust the caller's history for earlier pads
                 cache.key_mask = attention_mask[:, :past].bool() & cache.key_mask
-        segs = None
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError("cu_seqlens describes packed documents of batch 1; flatten the batch first")
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(inputs_embeds.device)
-            segs = torch.repeat_interleave(torch.arange(lengths.numel(), device=inputs_embeds.device),
-                                           lengths).unsqueeze(0)
-        elif attention_mask is None and past == 0 and not static:
-            segs = _segment_ids_from_positions(position_ids)
-        if segs is not None and cache is not None:
-            if past_key_values is not None:
-                raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written to a "
-                                 "cache: run them with use_cache=False, or one document per row with a cache")
-            cache = None  # the cache created for use_cache would hold no consistent state of several documents
+        segs = _packed_segments(cu_seqlens, position_ids, B, device) if (
+            cu_seqlens is not None or (attention_mask is None and past == 0 and not static)) else None
         kda_cu = None
         if segs is not None:
-            flat = segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)
-            flat = flat.reshape(-1)
-            change = torch.ones_like(flat, dtype=torch.bool)
-            change[1:] = flat[1:] != flat[:-1]
-            starts = change.nonzero().flatten()
-            kda_cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
+            if cache is not None:
+                if cache_given:
+                    raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written "
+                                     "to a cache: run them with use_cache=False, or one document per row with a cache")
+                cache = None  # the cache created for use_cache would hold no consistent state of several documents
+            kda_cu = _cu_seqlens_from_segments(segs, T)
             token_mask = None
         full_mask = token_mask
         if token_mask is not None and not static and bool(token_mask.all()):
             token_mask = None  # (static mode keeps the mask: pure tensor ops, no data-dependent branch)
         if cache is not None:
             keys_valid = cache.update_key_mask(full_mask if full_mask is not None else
-                                               torch.ones(B, T, dtype=torch.bool, device=inputs_embeds.device))
+                                               torch.ones(B, T, dtype=torch.bool, device=device))
         else:
             keys_valid = full_mask
         mla_mask = None
@@ -1117,41 +874,8 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
 
                 mla_mask = causal_lower_right(T, past + T)
             else:
-                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, inputs_embeds.device)
-        ctx = {"token_mask": token_mask, "cu_seqlens": kda_cu, "mla_mask": mla_mask}
-
-        # -- layers ---------------------------------------------------------------------------------------------
-        all_hidden = [] if output_hidden_states else None
-        h = inputs_embeds
-        bank: Optional[List[torch.Tensor]] = [] if self.config.attn_res_block_size > 0 else None
-        for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(h)
-            h, bank = layer(h, cache, ctx, *(bank or ()))
-        if self.config.attn_res_block_size > 0:
-            h = attn_res_mix(h, bank, direct_weight(self.output_attn_res_proj, "output_attn_res_proj", _ATTN_RES_WHY),
-                             self.output_attn_res_norm.weight,
-                             self.config.rms_norm_eps)
-        h = self.norm(h)
-        if token_mask is not None:
-            # a pad's output repeats the output of its row's last real token before it (in this call, else the one
-            # the dynamic cache kept), so the last position of a right-padded row predicts that row's next token
-            # (generate reads logits[:, -1]), also when the last piece of a chunked prefill is all padding
-            pos = torch.arange(T, device=h.device).expand(B, T)
-            last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
-            src = torch.where(last >= 0, last, pos)
-            h = h.gather(1, src.unsqueeze(-1).expand_as(h))
-            if cache is not None and not static and cache.last_hidden is not None:
-                h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
-        if cache is not None and not static:
-            cache.last_hidden = h[:, -1].detach().clone()
-        if all_hidden is not None:
-            all_hidden.append(h)
-        if cache is not None:
-            cache.advance(T)
-        out = BaseModelOutputWithPast(last_hidden_state=h, past_key_values=cache if use_cache else None,
-                                      hidden_states=tuple(all_hidden) if all_hidden is not None else None)
-        return out if return_dict is not False else out.to_tuple()
+                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, device)
+        return cache, token_mask, kda_cu, mla_mask
 
     @staticmethod
     def _mla_mask(B, T, past, keys_valid, segs, cache, device):
@@ -1171,6 +895,28 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         diag = k_idx.view(1, 1, Tk) == q_abs.view(1, T, 1)
         m = m | (diag & ~m.any(-1, keepdim=True))
         return m.unsqueeze(1)
+
+    def _exit_mix(self, stream: Tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The hidden state before the final norm: the stream itself, or with K3's AttnRes the softmax-over-depth mix
+        of the block bank and the last partial sum (``[B, T, D]``)."""
+        if self.config.attn_res_block_size == 0:
+            return stream[0]
+        w = direct_weight(self.output_attn_res_proj, "output_attn_res_proj", _ATTN_RES_WHY)
+        return attn_res_mix(stream[0], list(stream[1:]), w, self.output_attn_res_norm.weight, self.config.rms_norm_eps)
+
+    @staticmethod
+    def _repeat_last_real(h: torch.Tensor, token_mask: torch.Tensor, cache: Optional[KimiHybridCache]) -> torch.Tensor:
+        """A pad's output repeats the output of its row's last real token before it (in this call, else the one the
+        dynamic cache kept), so the last position of a right-padded row predicts that row's next token (generate
+        reads logits[:, -1]), also when the last piece of a chunked prefill is all padding. ``h [B, T, D]``."""
+        B, T = token_mask.shape
+        pos = torch.arange(T, device=h.device).expand(B, T)
+        last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
+        src = torch.where(last >= 0, last, pos)
+        h = h.gather(1, src.unsqueeze(-1).expand_as(h))
+        if cache is not None and not cache.static and cache.last_hidden is not None:
+            h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
+        return h
 
 
 class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):

@@ -330,7 +330,7 @@ def test_cache_of_another_model_is_refused():
 def native_pair(order):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    from kimi_hybrid.conversion.native import native_state_dict_to_ours
+    from kimi_hybrid.conversion.native import native_state_dict_views
 
     ours_cfg = preset_config(order)
     ncfg = KimiLinearConfig(
@@ -349,7 +349,7 @@ def native_pair(order):
             if "e_score_correction_bias" in n:
                 b.normal_(0, 0.2)
     ours = KimiHybridForCausalLM(ours_cfg).eval()
-    missing, unexpected = ours.load_state_dict(native_state_dict_to_ours(native.state_dict(), ncfg), strict=True)
+    missing, unexpected = ours.load_state_dict(native_state_dict_views(native.state_dict(), ncfg), strict=True)
     assert not missing and not unexpected
     return native, ours
 

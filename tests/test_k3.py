@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import kimi_hybrid.modeling_kimi_hybrid as mk
+import kimi_hybrid.moe_kimi_hybrid as mkm
 from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from presets import preset_config
@@ -412,7 +413,7 @@ def test_kda_low_rank_gate_still_matches_spec():
 @pytest.mark.parametrize("use_norm", [True, False])
 def test_latent_moe_matches_spec(use_norm, scale):
     cfg = preset_config("tiny-k3", latent_moe_use_norm=use_norm)
-    moe = randomize(mk.KimiMoE(cfg).eval(), seed=9)
+    moe = randomize(mkm.KimiMoE(cfg).eval(), seed=9)
     sd = {k: v.detach() for k, v in moe.state_dict().items()}
     L, D = cfg.routed_expert_hidden_size, cfg.hidden_size
     assert sd["routed_expert_down_proj.weight"].shape == (L, D)
@@ -431,7 +432,7 @@ def test_latent_moe_matches_spec(use_norm, scale):
 
 def test_router_bias_chooses_but_does_not_weigh():
     cfg = preset_config("tiny-k3")
-    router = randomize(mk.KimiRouter(cfg), seed=11)
+    router = randomize(mkm.KimiRouter(cfg), seed=11)
     x = torch.randn(16, cfg.hidden_size)
     with torch.no_grad():
         router.e_score_correction_bias.zero_()
@@ -455,25 +456,25 @@ def test_situ_matches_spec():
     assert (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta) == ("situ", 4.0, 25.0)
     g = torch.linspace(-60, 60, 241).view(-1, 1).expand(241, 9)
     u = torch.linspace(-200, 200, 9).view(1, -1).expand(241, 9)
-    got = mk.glu_act(cfg, g, u)
+    got = mkm.glu_act(cfg, g, u)
     assert_close(got, ref_situ(g, u, 4.0, 25.0), 1e-4, "SiTU")  # values up to ~100
     assert got.abs().max() < 100
     # one value by hand: g = 2, u = 3
     hand = 4 * math.tanh(0.5) / (1 + math.exp(-2)) * 25 * math.tanh(3 / 25)
-    assert abs(mk.glu_act(cfg, torch.tensor([2.0]), torch.tensor([3.0])).item() - hand) < 1e-5
+    assert abs(mkm.glu_act(cfg, torch.tensor([2.0]), torch.tensor([3.0])).item() - hand) < 1e-5
     # bf16 in: computed in fp32, rounded once at the end
     gb, ub = (torch.randn(64, 32) * 5).bfloat16(), (torch.randn(64, 32) * 30).bfloat16()
-    out = mk.glu_act(cfg, gb, ub)
+    out = mkm.glu_act(cfg, gb, ub)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref_situ(gb, ub, 4.0, 25.0).bfloat16())
     # null betas: beta 1, un-capped up half
     cfg_none = preset_config("tiny-k3", activation_situ_beta=None, activation_situ_linear_beta=None)
-    assert_close(mk.glu_act(cfg_none, g, u), ref_situ(g, u, None, None), 1e-3, "SiTU null betas")
+    assert_close(mkm.glu_act(cfg_none, g, u), ref_situ(g, u, None, None), 1e-3, "SiTU null betas")
 
 
 def test_situ_used_in_every_mlp_kind():
     """Dense layer-0 MLP and the shared experts use SiTU (the routed experts are covered by the latent MoE test)."""
     cfg = preset_config("tiny-k3")
-    mlp = randomize(mk.KimiMLP(cfg), seed=12)
+    mlp = randomize(mkm.KimiMLP(cfg), seed=12)
     sd = {k: v.detach() for k, v in mlp.state_dict().items()}
     x = torch.randn(4, cfg.hidden_size) * 3
     with torch.no_grad():

@@ -27,13 +27,14 @@ SCRIPT = r"""
 import json, sys, torch
 from kimi_hybrid import KimiHybridConfig
 from kimi_hybrid import kda_kimi_hybrid as kk
-from kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import moe_kimi_hybrid as moe
 from kimi_hybrid.kernels import kda_decode
+from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-out = {"kda": [], "moe": [], "flags": [kda_decode.TRITON_AVAILABLE, mk._MOE_TRITON]}
+out = {"kda": [], "moe": [], "flags": [kda_decode.TRITON_AVAILABLE, moe._MOE_TRITON]}
 for (B, T, H, K, V, l2) in [(2, 1, 4, 64, 64, True), (1, 3, 2, 32, 48, True), (2, 2, 3, 100, 20, False),
                             (1, 1, 2, 128, 128, True)]:
     g = torch.Generator().manual_seed(B * 10 + T)
@@ -51,7 +52,7 @@ for (N, E, k, D, F) in [(1, 16, 4, 64, 48), (3, 8, 2, 40, 24)]:
     cfg = KimiHybridConfig(**{**json.loads(sys.argv[1]), "num_experts": E, "num_experts_per_token": k,
                               "moe_intermediate_size": F, "hidden_size": D})
     torch.manual_seed(N)
-    ex = mk.KimiExperts(cfg, D)
+    ex = moe.KimiExperts(cfg, D)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.05)
     torch.nn.init.normal_(ex.down_proj, std=0.05)
     x = torch.randn(N, D)
@@ -59,7 +60,7 @@ for (N, E, k, D, F) in [(1, 16, 4, 64, 48), (3, 8, 2, 40, 24)]:
     w = torch.rand(N, k)
     with torch.no_grad():
         ref = ex(x, idx, w)  # CPU: the loop over the experts that received tokens
-        got = mk.moe_decode_gemv(x, idx, w, ex.gate_up_proj, ex.down_proj, block_n=16, block_k=32)
+        got = moe_decode_gemv(x, idx, w, ex.gate_up_proj, ex.down_proj, block_n=16, block_k=32)
     out["moe"].append([rel(got, ref), list(got.shape) == list(ref.shape)])
 print(json.dumps(out))
 """

@@ -13,10 +13,11 @@ import warnings
 import pytest
 import torch
 
-from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid import kda_kimi_hybrid as kk
-from kimi_hybrid.kernels.kda_decode import kda_decode_triton
 from kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import moe_kimi_hybrid as moe
+from kimi_hybrid.kernels.kda_decode import kda_decode_triton
 from presets import preset_config
 
 warnings.filterwarnings("ignore")
@@ -206,14 +207,14 @@ def test_grouped_experts_vs_loop(N):
     cfg = preset_config("tiny-kda-first", num_experts=64, num_experts_per_token=8,
                                        moe_intermediate_size=64, hidden_size=128)
     torch.manual_seed(N)
-    ex = mk.KimiExperts(cfg, 128).cuda()
+    ex = moe.KimiExperts(cfg, 128).cuda()
     torch.nn.init.normal_(ex.gate_up_proj, std=0.05)
     torch.nn.init.normal_(ex.down_proj, std=0.05)
     ex = ex.bfloat16()
     x = torch.randn(N, 128, device="cuda").bfloat16()
     idx = torch.stack([torch.randperm(64, device="cuda")[:8] for _ in range(N)])
     w = torch.rand(N, 8, device="cuda")
-    assert mk._grouped_mm_ok(x, ex.gate_up_proj, ex.down_proj)
+    assert moe._grouped_mm_ok(x, ex.gate_up_proj, ex.down_proj)
     with torch.no_grad():
         torch.cuda.set_sync_debug_mode("error")  # the grouped path must never synchronise with the host
         try:
@@ -242,7 +243,7 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
     cfg = preset_config("tiny-kda-first", num_experts=E, num_experts_per_token=k,
                                        moe_intermediate_size=F_, hidden_size=D)
     torch.manual_seed(N)
-    ex = mk.KimiExperts(cfg, D).cuda()
+    ex = moe.KimiExperts(cfg, D).cuda()
     torch.nn.init.normal_(ex.gate_up_proj, std=0.05)
     torch.nn.init.normal_(ex.down_proj, std=0.05)
     ex = ex.to(dtype)
@@ -250,13 +251,13 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
     idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(N)])
     w = torch.rand(N, k, device="cuda")
     with torch.no_grad():
-        assert mk._moe_gemv_applies(cfg, x, ex.gate_up_proj, ex.down_proj, N * k)
+        assert moe._moe_gemv_applies(cfg, x, ex.gate_up_proj, ex.down_proj, N * k)
         torch.cuda.set_sync_debug_mode("error")
         try:
             y = ex(x, idx, w)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert torch.equal(y, mk.moe_decode_gemv(x, idx, w, ex.gate_up_proj, ex.down_proj))
+        assert torch.equal(y, moe.moe_decode_gemv(x, idx, w, ex.gate_up_proj, ex.down_proj))
         gu, dn = ex.gate_up_proj.float(), ex.down_proj.float()
         ref = torch.zeros(N, D, device="cuda")
         for t in range(N):
@@ -266,11 +267,11 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
                 ref[t] += w[t, j] * (dn[idx[t, j]] @ h)
         assert rel(y, ref) < tol
         if dtype == torch.bfloat16:  # the grouped GEMM path on the same inputs
-            mk._MOE_TRITON_ENABLED = False
+            moe._MOE_TRITON_ENABLED = False
             try:
                 y_grouped = ex(x, idx, w)
             finally:
-                mk._MOE_TRITON_ENABLED = True
+                moe._MOE_TRITON_ENABLED = True
             assert rel(y, y_grouped) < 1e-2
 
 

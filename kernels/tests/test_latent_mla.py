@@ -6,8 +6,9 @@ import warnings
 import pytest
 import torch
 
-from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import moe_kimi_hybrid as moe
 from presets import preset_config
 
 warnings.filterwarnings("ignore")
@@ -79,7 +80,7 @@ def test_decode_latent_vs_decompressed_model(preset):
 def test_expert_fallback_vs_reference():
     cfg = preset_config("tiny-kda-first")
     torch.manual_seed(2)
-    ex = mk.KimiExperts(cfg, cfg.hidden_size)
+    ex = moe.KimiExperts(cfg, cfg.hidden_size)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.1)
     torch.nn.init.normal_(ex.down_proj, std=0.1)
     N, E, k, F_ = 5, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size
