@@ -370,6 +370,10 @@ def train(model, train_ids: torch.Tensor, *, context: int, batch_size: int, step
     summary = {"steps": step, "planned_steps": total, "tokens": step * batch_size * context,
                "seconds": round(seconds, 1), "tokens_per_second": round(step * batch_size * context / seconds),
                "calibration": calib, "curve": curve}
+    if t_calib is not None and step > 2:  # the first two steps hold the one-off kernel compilation
+        t_end = t0 + seconds
+        summary["startup_seconds"] = round(t_calib - t0, 1)
+        summary["tokens_per_second_after_startup"] = round((step - 2) * batch_size * context / (t_end - t_calib))
     if stopped_at_deadline:
         summary["stopped_at_deadline"] = True
     if error:
@@ -565,11 +569,17 @@ def model_card(config, metrics: Dict[str, Any], samples: List[Dict[str, str]]) -
         "## Training", "",
         f"`{metrics.get('command', 'python examples/train_default_model.py')}` on one {metrics['device']} "
         f"(torch {metrics['torch']}, FLA kernels: {metrics.get('fla', '?')}): seed {metrics['seed']}, context "
-        f"{metrics['context']}, batch {metrics['batch_size']}, {tr['steps']} steps ({tr['tokens']:,} tokens, "
-        f"{tr['seconds']} s of training, {tr['tokens_per_second']:,} tokens/s), AdamW (lr {metrics['lr']}, betas "
+        f"{metrics['context']}, batch {metrics['batch_size']}, {tr['steps']} steps ({tr['tokens']:,} tokens in "
+        f"{tr['seconds']} s"
+        + (f", of which {tr['startup_seconds']} s were the first two steps' kernel compilation; "
+           f"{tr['tokens_per_second_after_startup']:,} tokens/s after it" if "startup_seconds" in tr else
+           f", {tr['tokens_per_second']:,} tokens/s")
+        + f"), AdamW (lr {metrics['lr']}, betas "
         f"0.9/0.95, weight decay {metrics['weight_decay']}), {metrics['warmup']} warm-up steps then cosine to "
         f"{metrics['min_lr_ratio']} x lr, bf16 autocast, fp32 master weights, gradient clipping 1.0.", "",
     ]
+    for note in metrics.get("card_notes", []):
+        lines += [note, ""]
     if ev:
         lines += [
             "## Evaluation", "",
@@ -592,7 +602,8 @@ def model_card(config, metrics: Dict[str, Any], samples: List[Dict[str, str]]) -
         lines += [
             f"Repetition of greedy completions ({next(iter(dec.values()))['max_new_tokens']} new tokens, "
             f"{len(next(iter(dec.values()))['completions'])} prompts; distinct-4-gram ratio of the generated "
-            "tokens, 1.0 = no 4-gram repeats; `no_repeat_ngram_size=4` makes it 1.0 by construction):", "",
+            "tokens, 1.0 = no 4-gram repeats; `no_repeat_ngram_size=4` makes it 1.0 by construction"
+            + (f"; {metrics['decoding_note']}" if metrics.get("decoding_note") else "") + "):", "",
             "| decoding | mean distinct-4 | min distinct-4 |", "|---|---|---|",
         ]
         for name, d in dec.items():
