@@ -24,9 +24,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kimi_hybrid import tokenization_kimi_hybrid
-
-tk = tokenization_kimi_hybrid
+from kimi_hybrid import tokenization_kimi_hybrid as tk
 
 AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi_hybrid.KimiHybridTokenizer", None]}
 
