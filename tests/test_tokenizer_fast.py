@@ -372,7 +372,8 @@ def test_save_pretrained_writes_tokenizer_json(slow, tmp_path):
 
     assert (tmp_path / "fast" / "tiktoken.model").read_bytes() == (SHIPPED / "tiktoken.model").read_bytes()
     auto = AutoTokenizer.from_pretrained(str(tmp_path / "fast"))
-    assert type(auto) is KimiHybridTokenizer and auto.encode(text) == slow.encode(text)
+    # (by name: until the package has one import name, the Auto mapping may hold the other copy of the class)
+    assert type(auto).__name__ == "KimiHybridTokenizer" and not auto.is_fast and auto.encode(text) == slow.encode(text)
 
 
 def test_fast_needs_tokenizer_json(tmp_path):
