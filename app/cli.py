@@ -42,18 +42,8 @@ ENV_DEFAULT_MODEL = "KIMI_HYBRID_DEFAULT_MODEL"
 # ---------------------------------------------------------------------------------------------------------------
 
 def import_bundle():
-    """Import the model package (which registers the Auto classes) and return it.
-
-    Installed (``kimi_hybrid.app.cli``): the installed ``kimi_hybrid`` package. Run from a source checkout
-    (``python -m app.cli``): the checkout's ``modeling_kimi_hybrid`` folder, so the code next to this file is used.
-    """
-    if __package__ and __package__.startswith("kimi_hybrid"):
-        import kimi_hybrid as bundle
-
-        return bundle
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    import modeling_kimi_hybrid as bundle
+    """Import the model package ``kimi_hybrid`` (which registers the Auto classes) and return it."""
+    import kimi_hybrid as bundle
 
     return bundle
 

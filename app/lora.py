@@ -2,8 +2,8 @@
 """PEFT LoRA for KimiHybrid models (Kimi-Linear-48B-A3B, the Kimi K3 text backbone): the recommended
 ``LoraConfig``, a target check, and the few helpers a training script needs.
 
-Everything here is plain PEFT / transformers; the model code holds no LoRA logic (DESIGN.md: "Model code holds no
-infrastructure").
+Everything here is plain PEFT / transformers; the model code holds no LoRA logic (training
+infrastructure stays out of the model code).
 
 What :func:`recommended_lora_config` targets (PEFT matches ``target_modules`` by name suffix):
 
@@ -76,7 +76,7 @@ FSDP2. See ``docs/serving.md`` for export and serving.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+from typing import List, Tuple
 
 import torch.nn as nn
 
@@ -246,12 +246,4 @@ def merge_and_save(peft_model, out_dir: str, tokenizer=None, safe_serialization:
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return merged
-
-
-def adapted_names(model, suffixes: Iterable[str]) -> List[str]:
-    """Names of LoRA-wrapped modules whose last component is in ``suffixes`` (a test / debugging aid)."""
-    from peft.tuners.lora import LoraLayer
-
-    suffixes = set(suffixes)
-    return [n for n, m in model.named_modules() if isinstance(m, LoraLayer) and n.rsplit(".", 1)[-1] in suffixes]
 

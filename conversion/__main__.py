@@ -1,4 +1,4 @@
-"""Command line: `kimi-hybrid-convert` (console script) or `python -m conversion` from the repository root.
+"""Command line: `kimi-hybrid-convert` (console script) or `python -m kimi_hybrid.conversion`.
 
   kimi-hybrid-convert convert SRC OUT [--from auto|released|native|k3] [--overwrite] [--max-shard-size 5GB]
   kimi-hybrid-convert export  SRC OUT            ours -> released Kimi-Linear layout (vLLM / SGLang / llama.cpp)
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inventory", help="dry run from a config alone: source / target keys, shapes, sizes")
     g = i.add_mutually_exclusive_group(required=True)
     g.add_argument("--config", help="a config.json")
-    g.add_argument("--preset", help="a config shipped in conversion/configs (e.g. kimi-linear-48b-a3b-instruct)")
+    g.add_argument("--preset", help="a known released config (kimi-linear-48b-a3b-instruct)")
     i.add_argument("--from", dest="src_format", default="auto", choices=["auto", "released", "native", "k3", "ours"])
     i.add_argument("--variant", default="", help="native: fused|saved; k3: prefixed+mxfp4 (default) ...")
     i.add_argument("--json", help="write the full inventory as JSON to this file")
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "inventory":
-            path = args.config or config_io.packaged_config(args.preset)
-            inv = inventory(config_io.load_json(path), args.src_format, variant=args.variant)
+            config = config_io.load_json(args.config) if args.config else config_io.preset_config(args.preset)
+            inv = inventory(config, args.src_format, variant=args.variant)
             print(format_inventory(inv, None if args.all else 40))
             if args.json:
                 with open(args.json, "w", encoding="utf-8") as f:

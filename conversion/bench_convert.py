@@ -1,7 +1,7 @@
 """Benchmark: synthesize a multi-GB released-layout Kimi-Linear checkpoint and convert it (released -> ours, then
 optionally ours -> released), reporting throughput and peak memory.
 
-  python -m conversion.bench_convert --size-gb 4 [--shard-gb 1] [--export] [--json conversion/results/x.json]
+  python -m kimi_hybrid.conversion.bench_convert --size-gb 4 [--shard-gb 1] [--export] [--json conversion/results/x.json]
 
 The synthetic model keeps the released structure (KDA / MLA layers, layer-0 dense MLP, 1-based lists, fp32 A_log
 [1,1,H,1] and dt_bias, per-expert w1/w2/w3 in bf16) with hidden 1024, 64 experts of width 512, and as many layers
@@ -51,12 +51,11 @@ def bench_config(n_layers: int) -> dict:
 
 def synthesize(folder: str, size_gb: float, shard_gb: float) -> dict:
     """Write a released-layout checkpoint of about `size_gb` GB, shard by shard (bounded memory)."""
-    sys.path.insert(0, ROOT)
     from safetensors.torch import save_file
 
-    from conversion.config_io import released_config_to_ours
-    from conversion.inventory import inventory
-    from conversion.layouts import plan_to_ours
+    from kimi_hybrid.conversion.config_io import released_config_to_ours
+    from kimi_hybrid.conversion.inventory import inventory
+    from kimi_hybrid.conversion.layouts import plan_to_ours
 
     per_layer = 64 * 3 * 1024 * 512 * 2
     n_layers = max(2, round(size_gb * 1e9 / per_layer))
@@ -105,8 +104,7 @@ def synthesize(folder: str, size_gb: float, shard_gb: float) -> dict:
 
 CHILD = r"""
 import json, sys, time
-sys.path.insert(0, {root!r})
-from conversion.convert import convert_checkpoint
+from kimi_hybrid.conversion.convert import convert_checkpoint
 t = time.perf_counter()
 rep = convert_checkpoint({src!r}, {out!r}, src_format={fmt!r}, dst_format={dst!r}, progress=False,
                          checksum={checksum!r}, max_shard_size="5GB")
@@ -119,7 +117,7 @@ print(json.dumps({{"wall_s": wall, "peak_rss_mib": hwm / 1024, "peak_buffer_byte
 
 
 def run_child(src, out, fmt, dst, checksum):
-    code = CHILD.format(root=ROOT, src=src, out=out, fmt=fmt, dst=dst, checksum=checksum)
+    code = CHILD.format(src=src, out=out, fmt=fmt, dst=dst, checksum=checksum)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-4000:])

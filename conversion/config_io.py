@@ -172,11 +172,16 @@ def write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def packaged_config(name: str) -> str:
-    """Path of a config shipped in conversion/configs/ (e.g. 'kimi-linear-48b-a3b-instruct')."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-    p = os.path.join(folder, name if name.endswith(".json") else name + ".json")
-    if not os.path.exists(p):
-        known = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json"))
-        raise ConfigError(f"unknown preset {name!r}; the shipped presets are: {', '.join(known)}")
-    return p
+# released config.json files known by name (``kimi-hybrid-convert inventory --preset``): written by the config class
+# from its preset, so each config exists once
+RELEASED_PRESETS = {"kimi-linear-48b-a3b-instruct": "kimi-linear-48b-a3b"}
+
+
+def preset_config(name: str) -> dict:
+    """The released config.json of a known checkpoint (e.g. 'kimi-linear-48b-a3b-instruct'), as
+    ``KimiHybridConfig.from_preset(...).to_released_dict()`` writes it. Raises ConfigError for an unknown name,
+    listing the known ones."""
+    key = name[:-5] if name.endswith(".json") else name
+    if key not in RELEASED_PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; the shipped presets are: {', '.join(sorted(RELEASED_PRESETS))}")
+    return _model_config_class().from_preset(RELEASED_PRESETS[key]).to_released_dict()

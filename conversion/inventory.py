@@ -1,8 +1,8 @@
 """Dry run: list the source and target tensors of a conversion from a config.json alone (no weights needed).
 
 Shapes come from the plan; each tensor is materialised as a `meta` tensor (no storage) to count elements and bytes.
-Source dtypes are assumed from the config's `dtype` plus the dtype facts of each released format (checkpoint-facts
-section 2, k3-spec section 3.7 / 6): fp32 `A_log`, `dt_bias`, `e_score_correction_bias` (and for K3 the q/k/v convs
+Source dtypes are assumed from the config's `dtype` plus the dtype facts of each released format (docs/checkpoint-format.md
+section 2, docs/k3.md sections 4 and 6): fp32 `A_log`, `dt_bias`, `e_score_correction_bias` (and for K3 the q/k/v convs
 and `o_norm`); uint8 MXFP4 `weight_packed` / `weight_scale`.
 """
 

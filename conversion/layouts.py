@@ -16,7 +16,7 @@ Fusions are all expressible as element ranges because they only stack / concaten
 `conv1d[0:P] -> q_conv1d` ..., `A_log [1,1,H,1] <-> [H]` (same bytes). Hence released <-> ours is byte-exact.
 
 Layouts:
-  released -- Kimi-Linear remote-code names (moonshotai/Kimi-Linear-48B-A3B-*), checkpoint-facts section 2.
+  released -- Kimi-Linear remote-code names (moonshotai/Kimi-Linear-48B-A3B-*), docs/checkpoint-format.md section 2.
   native   -- transformers 5.x `kimi_linear` in-memory names (`self_attn.conv1d`, `self_attn.forget_gate.*`,
               `mlp.experts.gate_up_proj`). `save_pretrained` of transformers >= 5 writes the checkpoint back in the
               released names except that dense layers get `block_sparse_moe.{gate,up,down}_proj`; the "native"

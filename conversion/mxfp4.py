@@ -1,6 +1,6 @@
 """Plain-torch reference dequantizer for Kimi K3's MXFP4 routed experts (compressed-tensors `mxfp4-pack-quantized`).
 
-Layout (docs k3-spec section 6; OCP Microscaling spec v1.0):
+Layout (docs/k3.md section 6; OCP Microscaling spec v1.0):
 - `weight_packed` uint8 [out, in/2]: two E2M1 codes per byte along the INPUT (last) dim; the LOW nibble holds the
   even (earlier) column, the high nibble the odd column.
 - E2M1 code: bit 3 = sign, bits 0-2 index the magnitudes [0, 0.5, 1, 1.5, 2, 3, 4, 6].
@@ -63,10 +63,3 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     factor = torch.exp2(exps.to(torch.float32))  # exact powers of two for |exp| <= 127
     vals = vals.view(out_f, in_f // group_size, group_size) * factor.unsqueeze(-1)
     return vals.reshape(out_f, in_f).to(dtype)
-
-
-def quantize_mxfp4_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Pack integer E2M1 codes [out, in] (0..15) into uint8 [out, in/2] with the low nibble = even column.
-    Used by tests and the synthetic-checkpoint builders."""
-    c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
-    return (c[..., 0] | (c[..., 1] << 4)).contiguous()

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_default_model import (  # noqa: E402
+from train_default_model import (  # the sibling script (examples/ is on sys.path: the folder of the script run)
     KDA, MLA, ROOT, KimiHybridForCausalLM, KimiHybridTokenizer, cast_for_shipping, count_params, evaluate,
     load_ids, stdlib_config, train,
 )
@@ -60,7 +59,7 @@ def arms(tokenizer):
 @torch.no_grad()
 def cache_bytes(model, lengths, device, vocab_size: int):
     """``memory_report()`` after a batch-1 prefill of ``L`` random ids, for each L (model in its current dtype)."""
-    from modeling_kimi_hybrid import KimiHybridCache
+    from kimi_hybrid import KimiHybridCache
 
     model.eval()
     out = []

@@ -20,7 +20,9 @@ shared-expert MLP, routed experts through ``target_parameters``. The same module
 native model, so one ``LoraConfig`` serves both.
 
 Usage (GPU): ``python examples/bench_lora.py --out examples/results/bench_lora_h200.json``
-CPU smoke test: ``python examples/bench_lora.py --tiny --device cpu --seq-len 32 --steps 1 --warmup 1``
+CPU smoke test on small widths (``small.json``: KimiHybridConfig arguments, e.g. a tiny config of tests/presets.py
+written with ``json.dump``): ``python examples/bench_lora.py --config small.json --device cpu --seq-len 32 --steps 1
+--warmup 1``
 """
 
 from __future__ import annotations
@@ -32,15 +34,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LIN, FULL = "linear_attention", "full_attention"
 
@@ -49,12 +48,12 @@ def build_configs(args):
     """Our config and the equivalent transformers ``KimiLinearConfig``."""
     from transformers import KimiLinearConfig
 
-    from modeling_kimi_hybrid import KimiHybridConfig
+    from kimi_hybrid import KimiHybridConfig
 
     layer_types = [LIN] * (args.layers - 1) + [FULL]
     mlp_types = ["sparse"] * args.layers
-    if args.tiny:
-        ours = KimiHybridConfig.from_preset("tiny-kda-first", num_hidden_layers=args.layers, layer_types=layer_types,
+    if args.config:
+        ours = KimiHybridConfig.from_preset(args.config, num_hidden_layers=args.layers, layer_types=layer_types,
                                             mlp_layer_types=mlp_types, first_k_dense_replace=0, num_expert_group=1,
                                             topk_group=1)
     else:
@@ -83,8 +82,8 @@ def build_models(args, device, dtype):
     """Native model with random weights on ``device``; ours sharing its tensors."""
     from transformers import KimiLinearForCausalLM
 
-    from conversion.native import native_state_dict_views
-    from modeling_kimi_hybrid import KimiHybridForCausalLM
+    from kimi_hybrid.conversion.native import native_state_dict_views
+    from kimi_hybrid import KimiHybridForCausalLM
 
     ours_cfg, native_cfg = build_configs(args)
     torch.manual_seed(0)
@@ -118,7 +117,7 @@ def parity(ours, native, ids):
 def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None):
     from peft import get_peft_model
 
-    from app.lora import enable_gradient_checkpointing, recommended_lora_config
+    from kimi_hybrid.app.lora import enable_gradient_checkpointing, recommended_lora_config
 
     lc = recommended_lora_config(cfg, r=args.rank, alpha=2 * args.rank, include_experts=not args.no_experts)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -193,7 +192,7 @@ def environment(device):
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
-        from modeling_kimi_hybrid.kda_kimi_hybrid import fla_available
+        from kimi_hybrid.kda_kimi_hybrid import fla_available
 
         info["kimi_hybrid_uses_fla"] = bool(fla_available()) and device.type == "cuda"
     except Exception:  # noqa: BLE001
@@ -226,7 +225,9 @@ def main(argv=None):
     ap.add_argument("--no-experts", action="store_true", help="do not adapt the routed experts")
     ap.add_argument("--models", default="ours,native", help="comma list, run in this order")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing once this many seconds have passed")
-    ap.add_argument("--tiny", action="store_true", help="tiny widths (CPU smoke test)")
+    ap.add_argument("--config", default=None,
+                    help="a .json file of KimiHybridConfig arguments whose widths replace the 48B ones (a small "
+                         "config: CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on CPU)")
     ap.add_argument("--out", default=None, help="write the JSON here (also after each model)")
@@ -235,7 +236,7 @@ def main(argv=None):
                          "seconds instead of minutes; both models run the same untuned FLA kernels")
     args = ap.parse_args(argv)
     if args.one_config_autotune:
-        from kernels.testing import limit_triton_autotuning
+        from kimi_hybrid.kernels.testing import limit_triton_autotuning
 
         limit_triton_autotuning()
     start = time.perf_counter()
@@ -245,7 +246,7 @@ def main(argv=None):
 
     result = {"benchmark": "lora_training", "env": environment(device),
               "setup": {"layers": args.layers, "layer_plan": f"{args.layers - 1} KDA + 1 MLA, all MoE",
-                        "widths": "tiny" if args.tiny else "Kimi-Linear-48B-A3B", "batch": args.batch,
+                        "widths": args.config or "Kimi-Linear-48B-A3B", "batch": args.batch,
                         "seq_len": args.seq_len, "dtype": str(dtype).replace("torch.", ""), "lora_rank": args.rank,
                         "lora_alpha": 2 * args.rank, "experts_adapted": not args.no_experts,
                         "gradient_checkpointing": "non-reentrant, every decoder layer", "optimizer": "AdamW",

@@ -11,8 +11,11 @@ included in the reuse timings; time saved is computed from the minima):
 a time) and ``reuse_sequential``. Prints a table and writes JSON (machine, versions, commit, settings, timings, time
 saved) to ``examples/results/prefix_reuse.json``.
 
-    python examples/bench_prefix_reuse.py                       # tiny random model, CPU
-    python examples/bench_prefix_reuse.py --prefix-len 4096 --num-prompts 16
+    python examples/bench_prefix_reuse.py --preset small.json    # a small random model, CPU
+    python examples/bench_prefix_reuse.py --preset small.json --prefix-len 4096 --num-prompts 16
+
+``--preset``: a shipped preset name or a ``.json`` file of KimiHybridConfig arguments (``small.json``: e.g. the
+"tiny-kda-first" config of tests/presets.py written with ``json.dump``; the recorded results used it).
 """
 
 from __future__ import annotations
@@ -27,13 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import transformers
+
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402,F401
 
 
 def git_commit() -> dict:
@@ -55,7 +57,7 @@ def timed(fn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny-kda-first")
+    ap.add_argument("--preset", required=True, help="shipped preset name or .json file of config arguments")
     ap.add_argument("--prefix-len", type=int, default=2048)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--suffix-min", type=int, default=8)

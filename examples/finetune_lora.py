@@ -31,30 +31,24 @@ import argparse
 import hashlib
 import json
 import math
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
+import torch
+
+import kimi_hybrid  # noqa: F401  (registers the Auto classes)
+from kimi_hybrid.app.lora import merge_and_save, packing_collator, recommended_lora_config
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-import modeling_kimi_hybrid  # noqa: E402,F401  (registers the Auto classes)
-from app.lora import merge_and_save, packing_collator, recommended_lora_config  # noqa: E402
 
 DEFAULT_MODEL = "models/kimi-hybrid-stdlib"
 
 
 def _corpus_module():
-    import importlib.util
+    import prepare_stdlib_corpus  # the sibling script (examples/ is on sys.path: the folder of the script run)
 
-    spec = importlib.util.spec_from_file_location("prepare_stdlib_corpus", ROOT / "examples" / "prepare_stdlib_corpus.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return prepare_stdlib_corpus
 
 
 def package_files(package: str, eval_frac: float):

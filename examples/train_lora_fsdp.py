@@ -33,18 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+import kimi_hybrid  # noqa: F401  (registers the Auto classes)
+from kimi_hybrid.app.lora import enable_gradient_checkpointing, packing_collator, recommended_lora_config
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-import modeling_kimi_hybrid  # noqa: E402,F401  (registers the Auto classes)
-from app.lora import enable_gradient_checkpointing, packing_collator, recommended_lora_config  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 
@@ -52,7 +49,7 @@ LIN, FULL = "linear_attention", "full_attention"
 def build_model(args, dtype):
     from transformers import AutoModelForCausalLM
 
-    from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+    from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
 
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
@@ -72,13 +69,10 @@ def make_rows(args, vocab_size):
                 for _ in range(args.synthetic_pool or args.steps * args.batch_size * 64)]
         n = max(len(pool), args.steps * args.batch_size * 64)  # rows for every rank; a small pool repeats
         return [{"input_ids": pool[i % len(pool)]} for i in range(n)]
-    import importlib.util
-
     from transformers import AutoTokenizer
 
-    spec = importlib.util.spec_from_file_location("finetune_lora", ROOT / "examples" / "finetune_lora.py")
-    ft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ft)
+    import finetune_lora as ft  # the sibling script (examples/ is on sys.path: the folder of the script run)
+
     tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model or str(ROOT / "models" / "kimi-hybrid-stdlib"))
     train_files, _ = ft.package_files(args.package, 0.25)
     return [{"input_ids": c} for c in ft.chunks(tok, train_files, args.seq_len)]
@@ -87,7 +81,8 @@ def make_rows(args, vocab_size):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="base model folder (else --preset with random weights)")
-    ap.add_argument("--preset", default="kimi-linear-48b-a3b")
+    ap.add_argument("--preset", default="kimi-linear-48b-a3b",
+                    help="shipped preset name or .json file of KimiHybridConfig arguments")
     ap.add_argument("--layers", type=int, default=None, help="depth slice of the preset (layers-1 KDA + 1 MLA)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--synthetic", action="store_true", help="random token ids instead of stdlib source")

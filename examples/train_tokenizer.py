@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tok_import import load_tokenizer_module  # noqa: E402
-
-tk = load_tokenizer_module()
+from kimi_hybrid import tokenization_kimi_hybrid as tk
 
 AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi_hybrid.KimiHybridTokenizer", None]}
 

@@ -28,17 +28,15 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from conversion.native import native_state_dict_views  # noqa: E402
-from kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
+from kimi_hybrid.conversion.native import native_state_dict_views  # noqa: E402
+from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
 
 HBM_BPS = 4.8e12
 LIN, FULL = "linear_attention", "full_attention"

@@ -22,16 +22,17 @@ positions used (``dec.position``), so ``step`` checks the room left without sync
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
+
+from kimi_hybrid.cache_kimi_hybrid import KDALayerCache, KimiHybridCache
 
 __all__ = ["to_static_cache", "prefill_to_static", "GraphDecoder"]
 
 
 def _is_kda(layer) -> bool:
-    return hasattr(layer, "recurrent_state")
+    return isinstance(layer, KDALayerCache)
 
 
 def to_static_cache(cache, max_cache_len: int):
@@ -67,8 +68,7 @@ def prefill_to_static(model, input_ids: torch.Tensor, max_cache_len: int, chunk_
     pieces of ``chunk_size`` tokens (bounded activation memory for long prompts), then move it into a static cache.
 
     Returns ``(static_cache, last_logits [B, V])``."""
-    cache_cls = sys.modules[type(model).__module__].KimiHybridCache  # the class the model checks against
-    cache = cache_cls(model.config)
+    cache = KimiHybridCache(model.config)
     T = input_ids.shape[1]
     step = chunk_size or T
     out = None

@@ -18,17 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions  # noqa: E402
-from kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
+from kimi_hybrid.kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions  # noqa: E402
+from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
 
 
 def cuda_time(fn, reps):
@@ -101,7 +99,7 @@ def probe_decode(layers, ctx, compile_too, R, save):
     and saved after each variant."""
     from torch.profiler import ProfilerActivity, profile
 
-    from modeling_kimi_hybrid import kda_kimi_hybrid as kk
+    from kimi_hybrid import kda_kimi_hybrid as kk
 
     _, model, cfg = build_ours_only(layers)
     gen = torch.Generator(device="cuda").manual_seed(0)

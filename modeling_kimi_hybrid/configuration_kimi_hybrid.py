@@ -7,7 +7,7 @@ Every released field keeps its released name; the layer plan is held in ``layer_
 "full_attention" = MLA) and ``mlp_layer_types`` ("dense" / "sparse"), and the released 1-based
 ``linear_attn_config.kda_layers / full_attn_layers`` lists are read into them (and written back on export).
 
-Facts: ``shared/docs/checkpoint-facts.md`` (Kimi-Linear) and ``shared/docs/k3-spec.md`` (K3).
+Formats: ``docs/checkpoint-format.md`` (Kimi-Linear) and ``docs/k3.md`` (K3).
 """
 
 from __future__ import annotations
@@ -51,55 +51,9 @@ _KIMI_K3 = {
     },
 }
 
-
-def _tiny(layer_types, mlp_types, **over):
-    n = len(layer_types)
-    base = {
-        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": n,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-        "pad_token_id": 0, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True, "num_experts": 8,
-        "num_experts_per_token": 2, "moe_intermediate_size": 32, "num_shared_experts": 1,
-        "first_k_dense_replace": mlp_types.count("dense"), "routed_scaling_factor": 2.446,
-        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 2, "topk_group": 1,
-        "moe_renormalize": True, "layer_types": layer_types, "mlp_layer_types": mlp_types,
-        "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4},
-    }
-    base.update(over)
-    return base
-
-
-_TINY_K3 = dict(
-    hidden_act="situ", activation_situ_beta=4.0, activation_situ_linear_beta=25.0, q_lora_rank=24,
-    mla_use_output_gate=True, routed_expert_hidden_size=48, latent_moe_use_norm=True, num_shared_experts=2,
-    routed_scaling_factor=1.0, attn_res_block_size=2, num_expert_group=1,
-)
-
 PRESETS: Dict[str, Dict[str, Any]] = {
     "kimi-linear-48b-a3b": _KIMI_LINEAR_48B,
     "kimi-k3": _KIMI_K3,
-    # tiny test configs: every branch in few layers, both layer orders
-    "tiny-kda-first": _tiny([LINEAR, LINEAR, LINEAR, FULL], ["dense", "sparse", "sparse", "sparse"]),
-    "tiny-mla-first": _tiny([FULL, LINEAR, LINEAR, FULL], ["dense", "sparse", "dense", "sparse"]),
-    "tiny-k3": _tiny(
-        [LINEAR, LINEAR, LINEAR, FULL, LINEAR, FULL], ["dense"] + ["sparse"] * 5,
-        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-                            "use_full_rank_gate": True},
-        **_TINY_K3,
-    ),
-    "tiny-k3-softplus": _tiny(
-        [FULL, LINEAR, LINEAR, FULL], ["dense", "sparse", "sparse", "sparse"],
-        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "use_full_rank_gate": True},
-        **_TINY_K3,
-    ),
-    # AttnRes block size 4 does not divide the 6 layers (a partial last block); latent MoE without its norm
-    "tiny-k3-block4": _tiny(
-        [LINEAR, FULL, LINEAR, LINEAR, FULL, FULL], ["dense"] + ["sparse"] * 5,
-        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-                            "use_full_rank_gate": True},
-        **{**_TINY_K3, "attn_res_block_size": 4, "latent_moe_use_norm": False},
-    ),
 }
 
 _ROUTER_FUNCS = ("sigmoid", "softmax")
@@ -155,8 +109,8 @@ _NOT_CONFIG = ("architectures", "auto_map", "transformers_version", "quantizatio
 class KimiHybridConfig(PretrainedConfig):
     r"""Configuration for :class:`KimiHybridForCausalLM` (Kimi-Linear and the Kimi K3 text backbone).
 
-    Field names follow the released Kimi-Linear ``config.json`` (checkpoint-facts section 1) and the K3
-    ``text_config`` (k3-spec). Layer plan:
+    Field names follow the released Kimi-Linear ``config.json`` (docs/checkpoint-format.md section 1) and the K3
+    ``text_config`` (docs/k3.md section 1). Layer plan:
 
     * ``layer_types``: list of "linear_attention" (KDA) / "full_attention" (MLA), one per layer (0-based). If absent
       it is read from the released 1-based ``linear_attn_config["kda_layers"]`` / ``["full_attn_layers"]``.
@@ -456,14 +410,20 @@ class KimiHybridConfig(PretrainedConfig):
     # -- construction helpers ------------------------------------------------------------------------------------
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "KimiHybridConfig":
-        """Named configs: "kimi-linear-48b-a3b" (the released values), "kimi-k3" (K3 text backbone), and the tiny
-        test configs "tiny-kda-first", "tiny-mla-first", "tiny-k3", "tiny-k3-softplus", "tiny-k3-block4".
+        """Named configs: "kimi-linear-48b-a3b" (the released values) and "kimi-k3" (K3 text backbone); or the path
+        of a ``.json`` file holding constructor arguments (e.g. a small random model for a smoke run).
 
         Raises:
             KeyError: for an unknown name (the message lists the known ones).
         """
+        if name.endswith(".json") and os.path.isfile(name):
+            with open(name, encoding="utf-8") as f:
+                kw = json.load(f)
+            kw.update(overrides)
+            return cls(**kw)
         if name not in PRESETS:
-            raise KeyError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+            raise KeyError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)} (or a .json file of "
+                           "constructor arguments)")
         kw = copy.deepcopy(PRESETS[name])
         kw.update(overrides)
         return cls(**kw)
@@ -504,7 +464,7 @@ class KimiHybridConfig(PretrainedConfig):
                 logger.warning(
                     f"{pretrained_model_name_or_path} holds a released {raw['model_type']!r} config.json: read as "
                     "KimiHybridConfig, but its weights use the released names and must be converted before "
-                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert convert SRC OUT)")
+                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert SRC OUT)")
                 cfg = cls.from_released_dict(raw)
                 for k, v in kwargs.items():
                     setattr(cfg, k, v)

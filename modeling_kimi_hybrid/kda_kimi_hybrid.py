@@ -23,7 +23,8 @@ This file holds:
   * ``kda_chunk`` / ``kda_recurrent`` / ``short_conv`` / ``short_conv_update``: dispatchers that pick FLA's Triton
     kernels for CUDA tensors when FLA imports, and the references otherwise. The choice is made from the tensor's
     device at call time, never from "is FLA importable" alone (with FLA installed on a CPU machine its kernels fail
-    at call time).
+    at call time). ``kda_recurrent`` uses our Triton decode kernel (``kimi_hybrid.kernels.kda_decode``) for CUDA
+    tensors where the kimi-hybrid package is installed.
 
 Only ``torch`` is required. FLA (``fla-core`` / ``flash-linear-attention`` 0.6.0) is optional.
 """
@@ -48,7 +49,6 @@ __all__ = [
     "short_conv",
     "short_conv_update",
     "fla_available",
-    "kda_decode_triton",
 ]
 
 L2NORM_EPS = 1e-6
@@ -357,6 +357,24 @@ def fla_available() -> bool:
     return _FLA
 
 
+_DECODE_KERNEL = None
+
+
+def _decode_kernel():
+    """Our Triton decode kernel (``kimi_hybrid.kernels.kda_decode.kda_decode_triton``) when the kimi-hybrid package
+    is installed with triton, else None (a Hub folder loaded without the package uses FLA or the reference).
+    Imported on the first CUDA call, never on CPU; cached."""
+    global _DECODE_KERNEL
+    if _DECODE_KERNEL is None:
+        try:
+            from kimi_hybrid.kernels.kda_decode import TRITON_AVAILABLE, kda_decode_triton
+
+            _DECODE_KERNEL = kda_decode_triton if TRITON_AVAILABLE else False
+        except Exception:  # noqa: BLE001 - package or triton missing: FLA / the reference serve CUDA tensors
+            _DECODE_KERNEL = False
+    return _DECODE_KERNEL or None
+
+
 def _use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and fla_available()
 
@@ -400,18 +418,19 @@ def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=True, cu_seqlens=None):
     """Recurrent KDA (decode, few tokens). On CUDA tensors without autograd: our Triton kernel
-    (:func:`kda_decode_triton`, one launch, state tile in registers) when continuing from a state without
-    ``cu_seqlens``, else FLA ``fused_recurrent_kda``; :func:`recurrent_kda_ref` elsewhere (and whenever a gradient is
+    (``kimi_hybrid.kernels.kda_decode.kda_decode_triton``, one launch, state tile in registers; used where the
+    kimi-hybrid package is installed) when continuing from a state without ``cu_seqlens``, else FLA
+    ``fused_recurrent_kda``; :func:`recurrent_kda_ref` elsewhere (and whenever a gradient is
     needed: the recurrent kernels have none, so on CUDA FLA's chunked kernel, which has a backward, is used instead).
     Set ``KIMI_HYBRID_DISABLE_TRITON_DECODE=1`` to route CUDA decode to FLA (A/B comparisons).
 
     The Triton and FLA calls allocate their outputs and final states and never synchronise with the host, so a decode
     step that uses them can be captured in a CUDA graph (after a warm-up call has compiled / autotuned the kernels)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    if (q.is_cuda and not needs_grad and cu_seqlens is None and initial_state is not None and _TRITON
-            and USE_TRITON_DECODE and not _compiling() and q.shape[-1] <= 256):
-        o, final = kda_decode_triton(q, k, v, g, beta, initial_state, scale=scale,
-                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if (q.is_cuda and not needs_grad and cu_seqlens is None and initial_state is not None and USE_TRITON_DECODE
+            and not _compiling() and q.shape[-1] <= 256 and _decode_kernel() is not None):
+        o, final = _decode_kernel()(q, k, v, g, beta, initial_state, scale=scale,
+                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         return o, (final if output_final_state else None)
     # under torch.compile (the compiled CUDA-graph decode step) the reference is traced instead: a few elementwise
     # ops and two reductions over the [B, H, K, V] state that inductor fuses with the gate / norm around them
@@ -430,97 +449,6 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     return recurrent_kda_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                              cu_seqlens=cu_seqlens)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Triton decode kernel (CUDA): a few tokens from a state, one launch
-# ----------------------------------------------------------------------------------------------------------------
-
-try:  # triton ships with CUDA builds of torch; CPU-only installs run the references
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, s1_ptr, H, K, V, scale,
-                           T: tl.constexpr, L2NORM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-        """One program = one (sequence, head, block of BV value channels). The [K, BV] fp32 state tile stays in
-        registers across the T tokens (T is a compile-time constant: 1 for decode, a few for speculative
-        verification); q / k are L2-normalised in the program (each program recomputes the K-length
-        norms, cheaper than a second launch). q/k/g: [B, T, H, K], v/o: [B, T, H, V], beta: [B, T, H],
-        states [B, H, K, V] fp32, all contiguous."""
-        i_bh = tl.program_id(0)
-        i_v = tl.program_id(1)
-        b = i_bh // H
-        h = i_bh % H
-        ok = tl.arange(0, BK)
-        ov = i_v * BV + tl.arange(0, BV)
-        mk = ok < K
-        mv = ov < V
-        m2 = mk[:, None] & mv[None, :]
-        s_off = i_bh * K * V + ok[:, None] * V + ov[None, :]
-        S = tl.load(s0_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
-        for t in range(T):
-            row = (b * T + t) * H + h
-            qv = tl.load(q_ptr + row * K + ok, mask=mk, other=0.0).to(tl.float32)
-            kv = tl.load(k_ptr + row * K + ok, mask=mk, other=0.0).to(tl.float32)
-            if L2NORM:
-                qv = qv * tl.rsqrt(tl.sum(qv * qv, axis=0) + 1e-6)
-                kv = kv * tl.rsqrt(tl.sum(kv * kv, axis=0) + 1e-6)
-            gv = tl.load(g_ptr + row * K + ok, mask=mk, other=0.0).to(tl.float32)
-            bt = tl.load(beta_ptr + row).to(tl.float32)
-            vv = tl.load(v_ptr + row * V + ov, mask=mv, other=0.0).to(tl.float32)
-            S = S * tl.exp(gv)[:, None]
-            u = bt * (vv - tl.sum(kv[:, None] * S, axis=0))
-            S = S + kv[:, None] * u[None, :]
-            ot = tl.sum((qv * scale)[:, None] * S, axis=0)
-            tl.store(o_ptr + row * V + ov, ot.to(o_ptr.dtype.element_ty), mask=mv)
-        tl.store(s1_ptr + s_off, S, mask=m2)
-
-    _TRITON = True
-except Exception:  # noqa: BLE001 - no triton (CPU-only torch): the references serve every device
-    _TRITON = False
-
-
-def kda_decode_triton(q, k, v, g, beta, initial_state, scale=None, use_qk_l2norm_in_kernel=True,
-                      block_v: int = 32):
-    """KDA for a few tokens from a state (decode, speculative verification), one Triton launch.
-
-    Same math as :func:`recurrent_kda_ref` (fp32 state and arithmetic, L2 norm with eps 1e-6 inside the sqrt).
-
-    Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-space decay; beta: ``[B, T, H]``;
-        initial_state: ``[B, H, K, V]`` (read as fp32). Any float dtypes; K <= 256.
-        block_v: value channels per program (grid ``B*H x ceil(V / block_v)``).
-
-    Returns:
-        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] float32)``. No host synchronisation (graph-safe).
-
-    Raises:
-        RuntimeError: Triton is not available. ValueError: shapes as :func:`recurrent_kda_ref`, or K > 256.
-
-    Each ``[K, block_v]`` state tile stays in registers, so the state is read once and written once. Measured on an
-    H200 (48B-A3B widths, batch 1): 3.4 us per layer; the decode step was the same with FLA's ``fused_recurrent_kda``
-    (1.364 vs 1.370 ms), so the recurrence is not where decode time goes (kernels/README.md).
-    """
-    if not _TRITON:
-        raise RuntimeError("kda_decode_triton needs triton (a CUDA build of torch)")
-    _check_kda_inputs(q, k, v, g, beta, initial_state, None)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if K > 256:
-        raise ValueError(f"kda_decode_triton supports head dims K <= 256, got {K}")
-    scale = K ** -0.5 if scale is None else float(scale)
-    q, k, v, beta = _contig(q, k, v, beta)
-    g = g.float().contiguous()
-    s0 = initial_state.float().contiguous()
-    o = torch.empty_like(v)
-    s1 = torch.empty_like(s0)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(block_v, max(16, triton.next_power_of_2(V)))
-    grid = (B * H, triton.cdiv(V, BV))
-    _kda_decode_kernel[grid](q, k, v, g, beta, s0, o, s1, H, K, V, scale, T=T,
-                             L2NORM=bool(use_qk_l2norm_in_kernel), BK=BK, BV=BV, num_warps=4)
-    return o, s1
 
 
 _FLA_CONV = None

@@ -9,7 +9,7 @@ output gates, low-rank MLA query with a sigmoid output gate, latent MoE, SiTU-GL
 (AttnRes).
 
 Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-A3B-{Base,Instruct}); Kimi K3
-(arXiv 2607.24653, moonshotai/Kimi-K3); exact math in shared/docs/checkpoint-facts.md section 3 and k3-spec.md.
+(arXiv 2607.24653, moonshotai/Kimi-K3); exact math in docs/kda.md, docs/mla.md, docs/moe.md and docs/k3.md.
 """
 
 import json
@@ -40,11 +40,10 @@ try:
 except ImportError:  # pragma: no cover
     init = nn.init
 
-from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache, config_fingerprint
-from .cache_kimi_hybrid import _diff as _fingerprint_diff
+from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
 from .configuration_kimi_hybrid import KimiHybridConfig
-from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
+from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
 # (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
@@ -74,7 +73,7 @@ def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
         raise ValueError(
             f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
             f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
-            "(kimi_hybrid.app.lora.recommended_lora_config does; with target_modules='all-linear' add "
+            "(list the modules to adapt by name; with target_modules='all-linear' add "
             f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
     return module.weight
 
@@ -745,7 +744,7 @@ def _refuse_released_folder(source, subfolder: str, cls_name: str) -> None:
         raise ValueError(
             f"{src!r} holds a {model_type!r} checkpoint (released Kimi-Linear / K3 or transformers-native layout): "
             f"its tensor names and fused layouts differ from {cls_name}'s, so no weight was loaded. Convert it once "
-            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert convert {src} {out}")
+            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert {src} {out}")
 
 
 class KimiHybridPreTrainedModel(PreTrainedModel):
@@ -796,7 +795,7 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
         Raises:
             ValueError: before any weight is read, for a local folder whose config.json is a released Kimi-Linear /
                 K3 or transformers-native ``kimi_linear`` one (its tensors use the released names; the message gives
-                the ``kimi-hybrid-convert convert SRC OUT`` command); missing or unexpected checkpoint keys.
+                the ``kimi-hybrid-convert SRC OUT`` command); missing or unexpected checkpoint keys.
         """
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         _refuse_released_folder(source, kwargs.get("subfolder") or "", cls.__name__)
@@ -983,21 +982,10 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         """The :class:`KimiHybridCache` this call reads and writes (an empty transformers cache is replaced, a new
         one made for ``use_cache``), checked against this model and allocated for the input's batch / dtype."""
         B, T, _ = inputs_embeds.shape
-        cache = past_key_values if use_cache or past_key_values is not None else None
-        if cache is not None and not isinstance(cache, KimiHybridCache):
-            if cache.get_seq_length() == 0:
-                cache = KimiHybridCache(self.config)
-            else:
-                raise ValueError(f"KimiHybrid needs a KimiHybridCache, got a filled {type(cache).__name__}")
-        if use_cache and cache is None:
-            cache = KimiHybridCache(self.config)
+        cache = KimiHybridCache.from_user_cache(past_key_values, self.config, use_cache=use_cache)
         if cache is None:
             return None
         static = cache.static
-        want = config_fingerprint(self.config)
-        if cache.fingerprint != want:
-            raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
-                             f"this model's config: {_fingerprint_diff(cache.fingerprint, want)})")
         cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
         if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
             raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
@@ -1310,13 +1298,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         user = pop_cache_kwargs(model_kwargs)  # either name (transformers 5.24 renamed it to `cache`)
         if user is not None:
             model_kwargs[GENERATION_CACHE_NAME] = user
-            if isinstance(user, KimiHybridCache):
-                user._is_user_defined = True
-                return
-            if user.get_seq_length() == 0:
-                model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config)
-                return
-            raise ValueError(f"KimiHybrid generation needs a KimiHybridCache, got a filled {type(user).__name__}")
+            KimiHybridCache.from_user_cache(user, self.config)._is_user_defined = True
+            return
         if generation_config.use_cache is False:
             return
         impl = getattr(generation_config, "cache_implementation", None)

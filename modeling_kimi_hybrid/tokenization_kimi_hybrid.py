@@ -7,7 +7,7 @@ One slow ``transformers`` tokenizer, :class:`KimiHybridTokenizer`, on top of ``t
   ``tokenizer_config.json``), and
 * our own byte-level BPE trained on the CPython stdlib (``models/kimi-hybrid-stdlib``, 8192 ranks).
 
-Id layout (docs/checkpoint-facts.md section 5, docs/k3-spec.md section 8):
+Id layout (docs/checkpoint-format.md section 4, docs/k3.md section 8):
 
 * ids ``0 .. n_ranks-1`` are BPE ranks (``n_ranks`` = number of lines of ``tiktoken.model``);
 * ids ``n_ranks .. n_ranks+255`` are 256 special slots. The name of slot ``offset`` is taken from
@@ -21,8 +21,13 @@ has 163840 rows, so those two ids can never reach the model; this class keeps ex
 
 Pre-tokenizer: the Kimi / K2 ``pat_str`` (see ``KIMI_PAT_STR``).
 
-Bundle rules: this is a flat Hub-bundle file; it imports only the standard library, ``tiktoken`` and
-``transformers`` (plus the sibling ``configuration_kimi_hybrid`` inside :func:`register_tokenizer`, guarded).
+Fast twin: :class:`KimiHybridTokenizerFast` over a Hugging Face ``tokenizers`` pipeline (``tokenizer.json``, built
+from the same ranks by :func:`build_fast_backend`; ``save_pretrained`` of the slow class writes it). It gives the
+same ids for every text, so serving stacks that want a fast tokenizer can use it, or load ``tokenizer.json`` with
+``PreTrainedTokenizerFast`` without this file. ``AutoTokenizer`` keeps returning the slow class.
+
+Bundle rules: this is a flat Hub-bundle file; it imports only the standard library, ``tiktoken``, ``tokenizers``
+and ``transformers`` (plus the sibling ``configuration_kimi_hybrid`` inside :func:`register_tokenizer`, guarded).
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ from __future__ import annotations
 import base64
 import importlib
 import os
+import re
 import shutil
 from typing import Any
 
-from transformers import AddedToken, PreTrainedTokenizer
+from tokenizers import AddedToken as BackendAddedToken
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AddedToken, PreTrainedTokenizer, PreTrainedTokenizerFast
 
 try:  # tiktoken is a hard requirement of this tokenizer, but fail with a clear message at use time.
     import tiktoken
@@ -43,13 +51,14 @@ except ImportError:  # pragma: no cover - exercised only without tiktoken
     load_tiktoken_bpe = None
 
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
+FAST_TOKENIZER_FILE = "tokenizer.json"
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
 AUTO_MAP_CLASS = "tokenization_kimi_hybrid.KimiHybridTokenizer"
 
 # Pre-tokenizer regex of the Kimi tiktoken tokenizer (identical to Kimi K2). Source: the `pat_str` class attribute
 # of `TikTokenTokenizer` in the Kimi remote code `tokenization_kimi.py` (copy read at troy12x/quasar-kimi
-# @ d47b0df2269dafc52acd984aa7c17f72aa667c3b), summarised in docs/checkpoint-facts.md section 5. The regex is data:
+# @ d47b0df2269dafc52acd984aa7c17f72aa667c3b), summarised in docs/checkpoint-format.md section 4. The regex is data:
 # it must match the released tokenizer character for character. Rules in order: Han runs; case-aware letter runs
 # (Han excluded) with an optional English contraction; 1-3 digits; punctuation runs with trailing newlines;
 # newlines; whitespace not followed by non-space; whitespace.
@@ -77,7 +86,7 @@ MAX_RUN_CHARS = 25_000
 # Special slot names by offset from n_ranks. Offsets 254 / 255 are [UNK] / [PAD] in both layouts.
 _COMMON_SLOTS = {0: "[BOS]", 1: "[EOS]", 254: "[UNK]", 255: "[PAD]"}
 SPECIAL_LAYOUTS: dict[str, dict[int, str]] = {
-    # Kimi-Linear / K2 (checkpoint-facts section 5 table).
+    # Kimi-Linear / K2 (docs/checkpoint-format.md section 4 table).
     "kimi-linear": {
         **_COMMON_SLOTS,
         2: "<|im_end|>",
@@ -94,7 +103,7 @@ SPECIAL_LAYOUTS: dict[str, dict[int, str]] = {
         15: "<|tool_call_end|>",
         17: "<|im_middle|>",
     },
-    # Kimi K3 XTML (k3-spec section 8 table). Slots 10-17 are not named by any K3 source we read; they stay
+    # Kimi K3 XTML (docs/k3.md section 8 table). Slots 10-17 are not named by any K3 source we read; they stay
     # reserved unless the released tokenizer_config.json names them in added_tokens_decoder.
     "kimi-k3": {
         **_COMMON_SLOTS,
@@ -111,7 +120,7 @@ SPECIAL_LAYOUTS: dict[str, dict[int, str]] = {
         21: "<|media_pad|>",
     },
 }
-# K3 fixtures mirroring the real tokenizer_config mark the XTML tag markers special: false (k3-spec section 8).
+# K3 fixtures mirroring the real tokenizer_config mark the XTML tag markers special: false (docs/k3.md section 8).
 _NON_SPECIAL_NAMES = {"<|open|>", "<|close|>", "<|sep|>"}
 
 # Markers a chat template needs as single special tokens; checked when the tokenizer is built.
@@ -138,7 +147,7 @@ _CONTENT_MACRO = (
 
 # (a) Kimi-Linear / K2: <|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|> per turn.
 # No default system prompt is injected: K2's template adds "You are Kimi, ..." when none is given, but whether the
-# Kimi-Linear template does is unverified (checkpoint-facts section 5), so we add nothing the caller did not pass.
+# Kimi-Linear template does is unverified (docs/checkpoint-format.md section 4), so we add nothing the caller did not pass.
 # Tool calls: <|tool_calls_section_begin|> then per call <|tool_call_begin|>{id}<|tool_call_argument_begin|>{args}
 # <|tool_call_end|>, then <|tool_calls_section_end|>; a call without an id gets the K2 style "functions.{name}:{i}".
 KIMI_LINEAR_CHAT_TEMPLATE = "".join(
@@ -174,7 +183,7 @@ KIMI_LINEAR_CHAT_TEMPLATE = "".join(
     )
 )
 
-# (b) Kimi K3 XTML (k3-spec section 8). Extra template variables:
+# (b) Kimi K3 XTML (docs/k3.md section 8). Extra template variables:
 #   thinking (bool, default true): think channel in assistant turns and the generation prompt;
 #   thinking_effort (str, optional): "low" | "medium" | "high" | "max", emitted as a system message.
 # Unverified details, chosen here and pinned by tests: the tool declaration comes first, then the thinking-effort
@@ -343,7 +352,165 @@ def _split_long_runs(text: str, max_run: int) -> list[str]:
     return pieces
 
 
-class KimiHybridTokenizer(PreTrainedTokenizer):
+# --------------------------------------------------------------------------------------------------------------
+# The same tokenizer as a Hugging Face `tokenizers` pipeline (tokenizer.json), for fast-tokenizer consumers.
+# --------------------------------------------------------------------------------------------------------------
+
+# Oniguruma (the regex engine of `tokenizers`) refuses a counted repeat above 100,000; longer exact counts are
+# written as nested repeats.
+_ONIG_MAX_REPEAT = 100_000
+# The characters for which Python's ``str.isspace()`` is true: the run rule of :func:`_split_long_runs`. This is
+# not the regex ``\s`` (U+001C..U+001F are spaces to Python, not to Unicode's White_Space).
+_PY_SPACE_CLASS = "".join(
+    "\\x{%X}" % code
+    for code in (*range(0x09, 0x0E), *range(0x1C, 0x21), 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028,
+                 0x2029, 0x202F, 0x205F, 0x3000)
+)
+
+
+def _exact_repeat(atom: str, count: int) -> str:
+    """Onig pattern for exactly ``count`` copies of ``atom`` (nested when ``count`` exceeds Onig's limit)."""
+    if count <= _ONIG_MAX_REPEAT:
+        return f"{atom}{{{count}}}"
+    if count % _ONIG_MAX_REPEAT:
+        raise ValueError(f"cannot write a repeat of {count} for Oniguruma (not a multiple of {_ONIG_MAX_REPEAT})")
+    return f"(?:{atom}{{{_ONIG_MAX_REPEAT}}}){{{count // _ONIG_MAX_REPEAT}}}"
+
+
+def fast_pre_tokenizer() -> pre_tokenizers.Sequence:
+    r"""The ``tokenizers`` pre-tokenizer equal to :class:`KimiHybridTokenizer`'s text path.
+
+    Stages, each applied to the pieces of the previous one:
+
+    1. cut the text every ``MAX_ENCODE_CHARS`` characters (``\G`` anchors each block at the end of the previous
+       one, so the scan stays linear);
+    2. cut every run of ``str.isspace()`` / non-space characters after each ``MAX_RUN_CHARS`` characters, counted
+       from the start of the run inside its piece, where the run goes on (a block starts at a run start, i.e. not
+       preceded by a character of its class, or right after the previous block, and must be followed by a
+       character of its class: a run of exactly ``MAX_RUN_CHARS`` is not cut before the next run);
+    3. ``KIMI_PAT_STR``, unchanged: Oniguruma accepts ``\p{Han}``, the ``&&`` class intersections, ``(?i:...)`` and
+       ``(?!\S)``;
+    4. byte-level mapping of each piece to the GPT-2 alphabet (no prefix space, no second regex).
+
+    Stages 1-2 cut only at the end of each block (``merged_with_previous``: the text before a block stays with it),
+    which is where :func:`_split_long_runs` cuts: they reproduce the chunking of
+    :meth:`KimiHybridTokenizer._text_chunks`, without which a text holding a run longer than 25,000 characters, or
+    longer than 400,000 characters, would be cut elsewhere and get other ids.
+    """
+    space, other = f"[{_PY_SPACE_CLASS}]", f"[^{_PY_SPACE_CLASS}]"
+    chunks = r"\G" + _exact_repeat(r"[\s\S]", MAX_ENCODE_CHARS)
+    runs = "|".join(f"(?:\\G|(?<!{cls})){_exact_repeat(cls, MAX_RUN_CHARS)}(?={cls})" for cls in (space, other))
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(chunks), behavior="merged_with_previous", invert=False),
+            pre_tokenizers.Split(Regex(runs), behavior="merged_with_previous", invert=False),
+            pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+
+
+def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """BPE merges, in priority order, equivalent to tiktoken's rank-driven merging.
+
+    tiktoken merges, at each step, the adjacent pair whose concatenation has the lowest rank. A merges list gives a
+    pair its priority by position, so every way of cutting a token ``t`` into two tokens ``(left, right)`` becomes a
+    merge, ordered by ``rank(t)``; the cuts of one token are ordered by ``(rank(left), rank(right))``. A token with
+    no such cut is never produced by merging, only as a whole piece (see ``ignore_merges`` in
+    :func:`build_fast_backend`), exactly as in tiktoken.
+
+    Args:
+        ranks: ``{token_bytes: rank}`` (see :func:`load_ranks`).
+
+    Returns:
+        ``[(left_bytes, right_bytes), ...]``, highest priority first.
+    """
+    merges: list[tuple[bytes, bytes]] = []
+    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
+        cuts = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        cuts.sort(key=lambda cut: (ranks[cut[0]], ranks[cut[1]]))
+        merges.extend(cuts)
+    return merges
+
+
+def build_fast_backend(ranks: dict[bytes, int], specials: dict[int, AddedToken]) -> Tokenizer:
+    """Build the ``tokenizers.Tokenizer`` (what ``tokenizer.json`` stores) for BPE ``ranks`` and special slots.
+
+    Args:
+        ranks: ``{token_bytes: rank}``, ranks ``0 .. n_ranks-1`` (become the ids).
+        specials: ``{id: AddedToken}`` for ids ``n_ranks .. n_ranks + len(specials) - 1`` without gaps; each becomes
+            an added token with that id (``special`` flag kept, never normalized or stripped).
+
+    Returns:
+        A ``tokenizers.Tokenizer``: byte-level BPE with ``ignore_merges`` (a piece that is itself a token is one id,
+        as in tiktoken), :func:`fast_pre_tokenizer`, the byte-level decoder, no post-processor (no BOS / EOS added).
+
+    Raises:
+        ValueError: special ids do not continue the ranks without gaps.
+    """
+    byte_encoder = bytes_to_unicode()
+
+    def to_text(token: bytes) -> str:
+        return "".join(byte_encoder[b] for b in token)
+
+    vocab = {to_text(token): rank for token, rank in ranks.items()}
+    merges = [(to_text(left), to_text(right)) for left, right in merges_from_ranks(ranks)]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False))
+    backend.pre_tokenizer = fast_pre_tokenizer()
+    backend.decoder = decoders.ByteLevel()
+    ids = sorted(specials)
+    if ids != list(range(len(ranks), len(ranks) + len(ids))):
+        raise ValueError(f"special ids must be {len(ranks)}..{len(ranks) + len(ids) - 1} without gaps")
+    for token_id in ids:  # one at a time: an added token takes the next free id
+        token = specials[token_id]
+        backend.add_tokens([BackendAddedToken(str(token), single_word=False, lstrip=False, rstrip=False,
+                                              normalized=False, special=bool(token.special))])
+        if backend.token_to_id(str(token)) != token_id:
+            raise ValueError(f"special token {str(token)!r} got id {backend.token_to_id(str(token))}, not {token_id}")
+    return backend
+
+
+class _KimiChatTemplateMixin:
+    """``apply_chat_template`` with the Kimi conventions, shared by the slow and the fast class.
+
+    The class provides ``special_tokens`` (``{name: id}`` of the special slots) and ``chat_template``.
+    """
+
+    def apply_chat_template(self, conversation, tools=None, add_generation_prompt: bool = True, **kwargs):
+        """Render (and by default not tokenize) a conversation with the chat template.
+
+        Kimi conventions (the released tokenizer's): ``tools`` dicts are key-sorted recursively;
+        ``add_generation_prompt`` defaults to True; ``tokenize`` defaults to False (a string comes back), except that
+        asking for ``return_tensors`` or ``return_dict=True`` without saying ``tokenize`` tokenizes (those only exist
+        for token ids; transformers' own default is ``tokenize=True``). ``chat_template`` may be a template string or
+        a name ("kimi-linear", "kimi-k3") whose markers must be special tokens of this layout. K3 extras:
+        ``thinking`` (bool), ``thinking_effort`` (str).
+
+        Raises:
+            ValueError: ``tokenize=False`` together with ``return_tensors`` / ``return_dict=True``, or a named
+                template whose markers are not special tokens of this layout.
+        """
+        name = kwargs.get("chat_template")
+        if isinstance(name, str) and name in CHAT_TEMPLATES:
+            missing = [m for m in _TEMPLATE_MARKERS[name] if m not in self.special_tokens]
+            if missing:
+                raise ValueError(f"chat template {name!r} needs special tokens missing from this layout: {missing}")
+            templates = self.chat_template if isinstance(self.chat_template, dict) else {}
+            if name not in templates:
+                kwargs["chat_template"] = CHAT_TEMPLATES[name]
+        wants_ids = kwargs.get("return_tensors") is not None or bool(kwargs.get("return_dict"))
+        if "tokenize" not in kwargs:
+            kwargs["tokenize"] = wants_ids
+        elif wants_ids and not kwargs["tokenize"]:
+            raise ValueError("return_tensors / return_dict need token ids: pass tokenize=True (or drop them to get "
+                             "the rendered string)")
+        return super().apply_chat_template(
+            conversation, tools=deep_sort(tools) if tools else None, add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+
+
+class KimiHybridTokenizer(_KimiChatTemplateMixin, PreTrainedTokenizer):
     """Slow ``transformers`` tokenizer over tiktoken with the Kimi special-token layout.
 
     Args:
@@ -387,6 +554,7 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
         ranks = load_ranks(vocab_file)
         self.vocab_file = vocab_file
         self.n_ranks = len(ranks)
+        self._ranks = ranks
 
         given = self._normalise_added_tokens(added_tokens_decoder or {})
         outside = sorted(i for i in given if not self.n_ranks <= i < self.n_ranks + NUM_RESERVED_SPECIAL_TOKENS)
@@ -415,6 +583,10 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
                     name, lstrip=False, rstrip=False, normalized=False, special=name not in _NON_SPECIAL_NAMES
                 )
         self.special_tokens = {token.content: token_id for token_id, token in specials.items()}
+        # encode_ids(allow_special=True) cuts these names out before chunking (longest first, as the added-tokens
+        # trie of `encode` does)
+        names = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(re.escape(name) for name in names))
         if len(self.special_tokens) != NUM_RESERVED_SPECIAL_TOKENS:
             raise ValueError("added_tokens_decoder uses the same name for two special slots")
 
@@ -495,15 +667,25 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
     def encode_ids(self, text: str, allow_special: bool = True) -> list[int]:
         """Fast path: ``text`` -> ids with tiktoken directly, no BOS/EOS added.
 
-        With ``allow_special`` every special-slot name in ``text`` becomes its id; without it, it is ordinary text.
-        Returns a ``list[int]`` of length ``num_tokens``.
+        With ``allow_special`` every special-slot name in ``text`` becomes its id (names are cut out first, longest
+        name first, then the text between them is chunked and encoded, as ``encode`` does); without it, it is
+        ordinary text. Returns a ``list[int]`` of length ``num_tokens``.
         """
+        if not allow_special:
+            return self._encode_ordinary(text)
+        ids: list[int] = []
+        start = 0
+        for match in self._special_pattern.finditer(text):
+            ids.extend(self._encode_ordinary(text[start : match.start()]))
+            ids.append(self.special_tokens[match.group()])
+            start = match.end()
+        ids.extend(self._encode_ordinary(text[start:]))
+        return ids
+
+    def _encode_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
         for chunk in self._text_chunks(text):
-            if allow_special:
-                ids.extend(self._encoding.encode(chunk, allowed_special="all"))
-            else:
-                ids.extend(self._encoding.encode_ordinary(chunk))
+            ids.extend(self._encoding.encode_ordinary(chunk))
         return ids
 
     def _tokenize(self, text: str, **kwargs) -> list[str]:
@@ -547,56 +729,99 @@ class KimiHybridTokenizer(PreTrainedTokenizer):
             ids = [i for i in ids if i not in skip]
         return self._encoding.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def backend_tokenizer_for_fast(self) -> Tokenizer:
+        """This tokenizer as a ``tokenizers.Tokenizer`` (the content of ``tokenizer.json``).
+
+        Same ranks, pre-tokenizer (``KIMI_PAT_STR`` plus this class's chunking) and special slots with the same ids;
+        see :func:`build_fast_backend`. Ids and decoded text equal this class's ``encode`` / ``decode``.
+        """
+        return build_fast_backend(self._ranks, dict(self.added_tokens_decoder))
+
+    def to_fast(self) -> "KimiHybridTokenizerFast":
+        """The equivalent :class:`KimiHybridTokenizerFast`: same ids, special tokens, BOS / EOS / UNK / PAD, chat
+        format and chat template, ``model_max_length``."""
+        return KimiHybridTokenizerFast(
+            tokenizer_object=self.backend_tokenizer_for_fast(), vocab_file=self.vocab_file,
+            bos_token=self.bos_token, eos_token=self.eos_token, unk_token=self.unk_token, pad_token=self.pad_token,
+            chat_format=self.chat_format, chat_template=self.chat_template, model_max_length=self.model_max_length,
+            clean_up_tokenization_spaces=False, added_tokens_decoder=dict(self.added_tokens_decoder),
+        )
+
     def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str]:
-        """Copy ``tiktoken.model`` into ``save_directory``. Raises ValueError if it is not a directory."""
+        """Write ``tiktoken.model`` (a copy) and ``tokenizer.json`` (the fast equivalent) into ``save_directory``.
+
+        Raises ValueError if ``save_directory`` is not a directory.
+        """
         if not os.path.isdir(save_directory):
             raise ValueError(f"save_directory {save_directory!r} is not a directory")
-        name = (filename_prefix + "-" if filename_prefix else "") + VOCAB_FILES_NAMES["vocab_file"]
-        target = os.path.join(save_directory, name)
+        prefix = filename_prefix + "-" if filename_prefix else ""
+        target = os.path.join(save_directory, prefix + VOCAB_FILES_NAMES["vocab_file"])
         if os.path.abspath(self.vocab_file) != os.path.abspath(target):
             shutil.copyfile(self.vocab_file, target)
-        return (target,)
+        fast_file = os.path.join(save_directory, prefix + FAST_TOKENIZER_FILE)
+        self.backend_tokenizer_for_fast().save(fast_file)
+        return (target, fast_file)
 
-    def apply_chat_template(self, conversation, tools=None, add_generation_prompt: bool = True, **kwargs):
-        """Render (and by default not tokenize) a conversation with the chat template.
 
-        Kimi conventions (the released tokenizer's): ``tools`` dicts are key-sorted recursively;
-        ``add_generation_prompt`` defaults to True; ``tokenize`` defaults to False (a string comes back), except that
-        asking for ``return_tensors`` or ``return_dict=True`` without saying ``tokenize`` tokenizes (those only exist
-        for token ids; transformers' own default is ``tokenize=True``). ``chat_template`` may be a template string or
-        a name ("kimi-linear", "kimi-k3") whose markers must be special tokens of this layout. K3 extras:
-        ``thinking`` (bool), ``thinking_effort`` (str).
+class KimiHybridTokenizerFast(_KimiChatTemplateMixin, PreTrainedTokenizerFast):
+    """Fast (``tokenizers``) twin of :class:`KimiHybridTokenizer`, loaded from ``tokenizer.json``.
 
-        Raises:
-            ValueError: ``tokenize=False`` together with ``return_tensors`` / ``return_dict=True``, or a named
-                template whose markers are not special tokens of this layout.
-        """
-        name = kwargs.get("chat_template")
-        if isinstance(name, str) and name in CHAT_TEMPLATES:
-            missing = [m for m in _TEMPLATE_MARKERS[name] if m not in self.special_tokens]
-            if missing:
-                raise ValueError(f"chat template {name!r} needs special tokens missing from this layout: {missing}")
-            templates = self.chat_template if isinstance(self.chat_template, dict) else {}
-            if name not in templates:
-                kwargs["chat_template"] = CHAT_TEMPLATES[name]
-        wants_ids = kwargs.get("return_tensors") is not None or bool(kwargs.get("return_dict"))
-        if "tokenize" not in kwargs:
-            kwargs["tokenize"] = wants_ids
-        elif wants_ids and not kwargs["tokenize"]:
-            raise ValueError("return_tensors / return_dict need token ids: pass tokenize=True (or drop them to get "
-                             "the rendered string)")
-        return super().apply_chat_template(
-            conversation, tools=deep_sort(tools) if tools else None, add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
+    Same ids as the slow class for every text (``tests/test_tokenizer_fast.py`` compares them), same 256 special
+    slots, BOS / EOS / UNK / PAD, chat format and chat template conventions (``apply_chat_template`` renders a
+    string unless token ids are asked for, tool dicts are key-sorted). Build it with
+    :meth:`KimiHybridTokenizer.to_fast` or ``KimiHybridTokenizerFast.from_pretrained(folder)`` on a folder holding
+    ``tokenizer.json`` (written by the slow class's ``save_pretrained``). Without the package, the same folder
+    loads as ``PreTrainedTokenizerFast.from_pretrained(folder)`` with the same ids and special tokens (then with
+    transformers' own ``apply_chat_template`` defaults).
+
+    Raises:
+        ValueError: (from ``from_pretrained``) the folder has no ``tokenizer.json``: save it with
+            ``KimiHybridTokenizer.from_pretrained(folder).save_pretrained(folder)``.
+    """
+
+    # tiktoken.model is optional here; when known it is saved too, so a saved folder also loads the slow class
+    vocab_files_names = {"tokenizer_file": FAST_TOKENIZER_FILE, **VOCAB_FILES_NAMES}
+    slow_tokenizer_class = KimiHybridTokenizer
+    model_input_names = ["input_ids", "attention_mask"]
+
+    @classmethod
+    def convert_to_native_format(cls, trust_remote_code=False, **kwargs):
+        tokenizer_file = kwargs.get("tokenizer_file")
+        if tokenizer_file is None or not os.path.isfile(tokenizer_file):
+            raise ValueError(
+                f"{cls.__name__} needs a {FAST_TOKENIZER_FILE}; write one with "
+                "KimiHybridTokenizer.from_pretrained(folder).save_pretrained(folder)"
+            )
+        return dict(kwargs)  # TokenizersBackend.__init__ loads the file as it is
+
+    def _save_pretrained(self, save_directory, file_names, legacy_format=None, filename_prefix=None):
+        file_names = super()._save_pretrained(save_directory, file_names, legacy_format, filename_prefix)
+        vocab_file = getattr(self, "vocab_file", None)
+        if vocab_file and os.path.isfile(vocab_file):
+            prefix = filename_prefix + "-" if filename_prefix else ""
+            target = os.path.join(str(save_directory), prefix + VOCAB_FILES_NAMES["vocab_file"])
+            if os.path.abspath(vocab_file) != os.path.abspath(target):
+                shutil.copyfile(vocab_file, target)
+            file_names = file_names + (target,)
+        return file_names
+
+    @property
+    def chat_format(self) -> str:
+        """``"kimi-linear"`` or ``"kimi-k3"`` (from ``tokenizer_config.json``; ``"kimi-linear"`` when absent)."""
+        return self.init_kwargs.get("chat_format") or "kimi-linear"
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """``{name: id}`` of the special slots (all added tokens), as on the slow class."""
+        return {str(token): token_id for token_id, token in self.added_tokens_decoder.items()}
 
 
 def register_tokenizer() -> bool:
     """Register :class:`KimiHybridTokenizer` with ``AutoTokenizer`` for ``KimiHybridConfig``.
 
-    The config class lives in the sibling ``configuration_kimi_hybrid.py`` (main branch). When it is not importable
-    (this file used alone, or before main wires the package) nothing is registered and False is returned; the
-    main branch's ``modeling_kimi_hybrid/__init__.py`` is expected to call this. Returns True on registration.
+    The config class lives in the sibling ``configuration_kimi_hybrid.py``. When it is not importable (this file used
+    alone) nothing is registered and False is returned; the package's ``__init__.py`` calls this. Returns True on
+    registration.
     """
     # Imported by name rather than with a `from .configuration_kimi_hybrid import` statement: transformers' remote
     # code loader requires every statically visible relative import to exist next to this file, and a folder that
@@ -617,4 +842,5 @@ def register_tokenizer() -> bool:
     return True
 
 
-__all__ = ["KimiHybridTokenizer", "register_tokenizer", "CHAT_TEMPLATES", "KIMI_PAT_STR", "SPECIAL_LAYOUTS"]
+__all__ = ["KimiHybridTokenizer", "KimiHybridTokenizerFast", "build_fast_backend", "register_tokenizer",
+           "CHAT_TEMPLATES", "KIMI_PAT_STR", "SPECIAL_LAYOUTS"]

@@ -1,5 +1,5 @@
 """Synthetic checkpoints for the conversion tests, written by hand from the published layouts
-(shared/docs/checkpoint-facts.md section 2, k3-spec.md sections 6-7) -- deliberately NOT through the converter's
+(docs/checkpoint-format.md section 2, docs/k3.md sections 6-7) -- deliberately NOT through the converter's
 own plan code, so that a naming mistake in the converter cannot hide behind the same mistake in the fixture.
 Files are written with the `safetensors` library (an implementation independent of ours).
 """
@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Test the converter of THIS checkout (an installed kimi_hybrid may be an editable install of another worktree).
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-import conversion  # noqa: E402,F401
 
 
 def tiny_released_config(**over) -> dict:
@@ -308,3 +303,19 @@ def k3_tensors(k3: dict, seed: int = 0, a_log_tail_zero: bool = True, mxfp4: boo
     t["mm_projector.proj.0.weight"] = r(D, 16)
     t["mm_projector.proj.2.weight"] = r(D, D)
     return t
+
+
+def released_config_dict(cfg) -> dict:
+    """A ``KimiHybridConfig`` written back in the released Kimi-Linear ``config.json`` form (model_type
+    "kimi_linear", 1-based layer lists, ``model_max_length``, ``dtype``), as the round-trip tests need it."""
+    d = cfg.to_dict()
+    for k in ("layer_types", "mlp_layer_types", "mla_absorb_max_q_len", "kda_record_max_tokens",
+              "auto_map", "architectures", "transformers_version", "torch_dtype", "dtype"):
+        d.pop(k, None)
+    d["model_type"] = "kimi_linear"
+    d["rope_theta"] = d.pop("released_rope_theta", 10000.0)
+    d["rope_scaling"] = d.pop("released_rope_scaling", None)
+    d["architectures"] = ["KimiLinearForCausalLM"]
+    d["model_max_length"] = d.pop("max_position_embeddings")
+    d["dtype"] = str(getattr(cfg, "dtype", None) or "bfloat16").replace("torch.", "")
+    return d

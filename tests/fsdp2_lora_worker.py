@@ -3,27 +3,23 @@ with FSDP2 (``fully_shard`` per decoder layer + root) over CPU processes (gloo);
 LoRA gradients to ``argv[1]``."""
 
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-import modeling_kimi_hybrid  # noqa: E402,F401
-from app.lora import enable_gradient_checkpointing, recommended_lora_config  # noqa: E402
-from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
+from kimi_hybrid import KimiHybridForCausalLM
+from kimi_hybrid.app.lora import enable_gradient_checkpointing, recommended_lora_config
+from presets import preset_config
 
 
 def build():
     from peft import get_peft_model
 
     torch.manual_seed(0)
-    m = KimiHybridForCausalLM(KimiHybridConfig.from_preset("tiny-kda-first"))
+    m = KimiHybridForCausalLM(preset_config("tiny-kda-first"))
     pm = get_peft_model(m, recommended_lora_config(m.config, r=4, alpha=8, init_lora_weights=False))
     enable_gradient_checkpointing(pm)
     pm.train()

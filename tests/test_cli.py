@@ -2,9 +2,8 @@
 temporary folder, the memory-report table, model resolution, and (when its weights are in the checkout) the
 embedded stdlib model. CPU only, no network.
 
-The subprocesses run ``python -m app.cli`` from the repository root so that the code of THIS checkout is tested
-(the installed ``kimi_hybrid`` may point at another checkout); ``python -m kimi_hybrid.app.cli`` is tested only when
-the installed package is this checkout.
+The subprocesses run ``python -m kimi_hybrid.app.cli``, the console script's module, of the installed package
+(``pip install -e .`` in development).
 """
 
 from __future__ import annotations
@@ -19,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import cli
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
-from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from kimi_hybrid.app import cli
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "models" / "kimi-hybrid-stdlib"
@@ -32,7 +32,7 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_ma
 
 def tiny_model(tokenizer) -> KimiHybridForCausalLM:
     """A 4-layer random model (KDA, KDA, KDA, MLA; dense + MoE) over the shipped tokenizer's vocabulary."""
-    cfg = KimiHybridConfig.from_preset(
+    cfg = preset_config(
         "tiny-kda-first", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -52,7 +52,7 @@ def tiny_dir(tmp_path_factory, tokenizer) -> Path:
     return out
 
 
-def run_cli(*args: str, stdin: str = "", env_extra=None, module: str = "app.cli", timeout: int = 240):
+def run_cli(*args: str, stdin: str = "", env_extra=None, module: str = "kimi_hybrid.app.cli", timeout: int = 240):
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, input=stdin, capture_output=True,
@@ -190,7 +190,7 @@ def test_embedded_model_generates_python():
 
 
 def test_export_writes_a_complete_hub_folder(tiny_dir, tmp_path, capsys):
-    from app import hub
+    from kimi_hybrid.app import hub
 
     out = tmp_path / "export"
     assert cli.main(["export", "--model", str(tiny_dir), "--out", str(out), "--repo-id", "me/tiny",

@@ -9,8 +9,8 @@ from safetensors.torch import save_file
 
 from conversion_fixtures import released_tensors, tiny_released_config, write_checkpoint
 
-from conversion.binding import CheckpointError
-from conversion.convert import ConversionError, convert_checkpoint
+from kimi_hybrid.conversion.binding import CheckpointError
+from kimi_hybrid.conversion.convert import ConversionError, convert_checkpoint
 
 
 def _ckpt(tmp_path, mutate=None, shards=2):
@@ -136,7 +136,7 @@ def test_existing_output_is_refused_and_kept(tmp_path):
 
 def test_failure_in_the_middle_removes_the_temporary_folder(tmp_path, monkeypatch):
     _ckpt(tmp_path)
-    import conversion.convert as cv
+    import kimi_hybrid.conversion.convert as cv
 
     calls = {"n": 0}
     real = cv.read_bytes
@@ -173,7 +173,7 @@ def test_tensor_in_two_shards(tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 
 def test_output_folder_containing_the_source_is_refused_even_with_overwrite(tmp_path):
-    from conversion.__main__ import main
+    from kimi_hybrid.conversion.__main__ import main
 
     _ckpt(tmp_path)
     before = sorted(os.listdir(tmp_path / "src"))
@@ -189,7 +189,7 @@ def test_output_folder_containing_the_source_is_refused_even_with_overwrite(tmp_
     (["--chunk-mb", "0"], "--chunk-mb >= 1"),
 ])
 def test_bad_cli_values_are_refused_before_reading(tmp_path, capsys, argv, msg):
-    from conversion.__main__ import main
+    from kimi_hybrid.conversion.__main__ import main
 
     _ckpt(tmp_path)
     assert main([str(tmp_path / "src"), str(tmp_path / "out"), "--no-progress", *argv]) == 2
@@ -198,7 +198,7 @@ def test_bad_cli_values_are_refused_before_reading(tmp_path, capsys, argv, msg):
 
 
 def test_config_problems_are_refused_before_any_tensor_is_written(tmp_path, capsys):
-    from conversion.__main__ import main
+    from kimi_hybrid.conversion.__main__ import main
 
     _ckpt(tmp_path)
     cfg_path = tmp_path / "src" / "config.json"

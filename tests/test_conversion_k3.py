@@ -17,9 +17,9 @@ from conversion_fixtures import (
     write_checkpoint,
 )
 
-from conversion.binding import CheckpointError
-from conversion.convert import convert_checkpoint
-from conversion.mxfp4 import MXFP4Error, dequantize_mxfp4
+from kimi_hybrid.conversion.binding import CheckpointError
+from kimi_hybrid.conversion.convert import convert_checkpoint
+from kimi_hybrid.conversion.mxfp4 import MXFP4Error, dequantize_mxfp4
 
 
 def test_dequantizer_against_per_element_restatement():
@@ -141,7 +141,7 @@ def test_k3_bf16_expert_slice_without_mxfp4(tmp_path):
 
 
 def test_k3_converted_folder_loads_in_our_model(tmp_path):
-    from conversion.model_glue import model_package
+    from kimi_hybrid.conversion.model_glue import model_package
 
     pkg = model_package()
     if pkg is None:

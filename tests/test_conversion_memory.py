@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from conversion_fixtures import ROOT, released_tensors, tiny_released_config, write_checkpoint
+from conversion_fixtures import released_tensors, tiny_released_config, write_checkpoint
 
 
 def _make(folder, n_layers):
@@ -33,8 +33,7 @@ def _make(folder, n_layers):
 
 CHILD = r"""
 import json, resource, sys
-sys.path.insert(0, {root!r})
-from conversion.convert import convert_checkpoint
+from kimi_hybrid.conversion.convert import convert_checkpoint
 rep = convert_checkpoint({src!r}, {out!r}, progress=False, with_bundle=False, chunk_bytes=4 << 20,
                          max_shard_size="1GB")
 # VmHWM: peak RSS of this process image (ru_maxrss would include the parent's RSS at fork time: it survives exec)
@@ -47,7 +46,7 @@ print(json.dumps({{"maxrss_kb": hwm,
 def _measure(tmp_path, n):
     src = str(tmp_path / f"src{n}")
     total = _make(src, n)
-    code = CHILD.format(root=ROOT, src=src, out=str(tmp_path / f"out{n}"))
+    code = CHILD.format(src=src, out=str(tmp_path / f"out{n}"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

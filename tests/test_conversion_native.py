@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-from conversion_fixtures import ROOT, read_all, same_bytes, write_checkpoint
+from conversion_fixtures import read_all, same_bytes, write_checkpoint
 
-from conversion import config_io
-from conversion.convert import convert_checkpoint
-from conversion.model_glue import model_package
-from conversion.state_dict import native_state_dict_to_ours
+from kimi_hybrid.conversion import config_io
+from kimi_hybrid.conversion.convert import convert_checkpoint
+from kimi_hybrid.conversion.model_glue import model_package
+from kimi_hybrid.conversion.state_dict import native_state_dict_to_ours
 
 transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -112,14 +112,14 @@ def test_in_memory_native_to_ours_values():
     assert same_bytes(ours["model.layers.2.mlp.experts.gate_up_proj"], sd["model.layers.2.mlp.experts.gate_up_proj"])
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in ours
     # the permissive legacy entry point in conversion/native.py agrees when given the config
-    from conversion.native import native_state_dict_views as legacy
+    from kimi_hybrid.conversion.native import native_state_dict_views as legacy
 
     other = legacy(sd, cfg)
     assert set(other) == set(ours) and all(same_bytes(other[k], ours[k]) for k in ours)
 
 
 def test_native_with_unknown_key_is_refused():
-    from conversion.binding import CheckpointError
+    from kimi_hybrid.conversion.binding import CheckpointError
 
     cfg, m = _native_model()
     sd = dict(m.state_dict())

@@ -15,17 +15,17 @@ from conversion_fixtures import (
     write_checkpoint,
 )
 
-import conversion
-from conversion import config_io
-from conversion.__main__ import main as cli_main
-from conversion.convert import convert_checkpoint
-from conversion.inventory import inventory
+from kimi_hybrid import conversion
+from kimi_hybrid.conversion import config_io
+from kimi_hybrid.conversion.__main__ import main as cli_main
+from kimi_hybrid.conversion.convert import convert_checkpoint
+from kimi_hybrid.conversion.inventory import inventory
 
 PRESET = "kimi-linear-48b-a3b-instruct"
 
 
 def test_packaged_48b_config_has_the_43_released_keys():
-    cfg = config_io.load_json(config_io.packaged_config(PRESET))
+    cfg = config_io.preset_config(PRESET)
     assert len(cfg) == 43
     assert sorted(cfg) == config_io.RELEASED_KEYS
     assert cfg["linear_attn_config"]["full_attn_layers"] == [4, 8, 12, 16, 20, 24, 27]
@@ -33,7 +33,7 @@ def test_packaged_48b_config_has_the_43_released_keys():
 
 
 def test_inventory_of_the_48b_config():
-    inv = inventory(config_io.load_json(config_io.packaged_config(PRESET)))
+    inv = inventory(config_io.preset_config(PRESET))
     assert inv["source"]["tensors"] == 20_493
     assert inv["source"]["elements"] == 49_122_681_728
     assert inv["target"]["parameters"] == 49_122_681_728
@@ -58,7 +58,7 @@ def test_inventory_cli(tmp_path, capsys):
 
 
 def test_released_config_round_trip_48b():
-    rel = config_io.load_json(config_io.packaged_config(PRESET))
+    rel = config_io.preset_config(PRESET)
     ours = conversion.released_config_to_ours(rel)
     assert ours["model_type"] == "kimi_hybrid"
     assert ours["max_position_embeddings"] == 1048576 and "model_max_length" not in ours

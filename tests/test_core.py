@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESETS = ["tiny-kda-first", "tiny-mla-first", "tiny-k3"]
@@ -22,7 +24,7 @@ TOL = 1e-5
 
 def tiny(name, seed=0, **over):
     torch.manual_seed(seed)
-    cfg = KimiHybridConfig.from_preset(name, **over)
+    cfg = preset_config(name, **over)
     model = KimiHybridForCausalLM(cfg).eval()
     with torch.no_grad():  # a non-zero correction bias exercises "bias only chooses"
         for mod in model.modules():
@@ -75,7 +77,7 @@ def test_released_config_json_is_read_as_released(tmp_path):
         assert getattr(preset, k) == getattr(cfg, k), k
     assert cfg.released_rope_theta == 10000.0 and cfg.released_rope_scaling is None
     assert str(cfg.dtype).endswith("bfloat16")
-    back = cfg.to_released_dict()
+    back = released_config_dict(cfg)
     assert back["dtype"] == "bfloat16" and back["rope_theta"] == 10000.0 and "rope_scaling" in back
     assert back["model_type"] == "kimi_linear" and back["model_max_length"] == 1048576
     assert back["linear_attn_config"]["kda_layers"] == RELEASED_48B["linear_attn_config"]["kda_layers"]
@@ -291,7 +293,6 @@ def test_trust_remote_code_without_the_package(tmp_path):
                 if name.split('.')[0] in ('kimi_hybrid', 'modeling_kimi_hybrid'):
                     raise ImportError('blocked: ' + name)
         sys.meta_path.insert(0, Block())
-        sys.path = [p for p in sys.path if p not in ('', {ROOT!r})]
         import torch
         from transformers import AutoModelForCausalLM
         try:
@@ -331,7 +332,7 @@ def native_pair(order):
 
     from kimi_hybrid.conversion.native import native_state_dict_views
 
-    ours_cfg = KimiHybridConfig.from_preset(order)
+    ours_cfg = preset_config(order)
     ncfg = KimiLinearConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=4, layer_types=ours_cfg.layer_types, mlp_layer_types=ours_cfg.mlp_layer_types,
@@ -403,7 +404,7 @@ def test_bad_input_ids_and_masks_raise_clear_errors():
                                          ("vocab_size", 2.5)])
 def test_config_rejects_non_positive_sizes(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
-        KimiHybridConfig.from_preset("tiny-kda-first", **{field: value})
+        preset_config("tiny-kda-first", **{field: value})
 
 
 def test_from_pretrained_refuses_missing_and_unexpected_tensors(tmp_path):

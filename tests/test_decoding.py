@@ -6,7 +6,7 @@ AttnRes); the torch.compile test runs on "tiny-mla-first" only. Tolerances: logi
 sums of a few log-probabilities (beam scores) <= 1e-4; gradients <= 1e-5 relative to their scale. Generated token
 ids must be identical.
 
-Covered (issue 3): beam search (sequences == no-cache beam search, ``sequences_scores`` == no-cache log-probs of each
+Covered: beam search (sequences == no-cache beam search, ``sequences_scores`` == no-cache log-probs of each
 returned beam / length ** length_penalty), sampling with ``num_return_sequences`` (top_k=1 == greedy; every step's
 logits == no-cache recompute of its own row; same seed with and without cache gives the same samples),
 ``batch_repeat_interleave`` / ``batch_select_indices``, multi-turn continuation from a returned cache, assisted decoding
@@ -23,9 +23,10 @@ import copy
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 
 from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
+from presets import preset_config
 
 ATOL = 1e-5
 ORDERS = ["tiny-kda-first", "tiny-mla-first"]
@@ -38,7 +39,7 @@ def get_model(preset: str, seed: int = 0, **overrides) -> KimiHybridForCausalLM:
     key = (preset, seed, repr(sorted(overrides.items())))
     if key not in _MODELS:
         torch.manual_seed(seed)
-        cfg = KimiHybridConfig.from_preset(preset, **overrides)
+        cfg = preset_config(preset, **overrides)
         _MODELS[key] = KimiHybridForCausalLM(cfg).eval()
     return _MODELS[key]
 
@@ -192,7 +193,7 @@ def test_assisted_decoding_with_draft_model_equals_greedy(preset, crop_log):
     other = "tiny-mla-first" if preset == "tiny-kda-first" else "tiny-kda-first"
     # a draft with the main weights accepts every candidate (crop(0), records chained over long verifications)
     drafts = [get_model(preset, seed=1), get_model(other, seed=2, num_hidden_layers=2,
-                                                   layer_types=KimiHybridConfig.from_preset(other).layer_types[:2],
+                                                   layer_types=preset_config(other).layer_types[:2],
                                                    mlp_layer_types=["dense", "sparse"]), copy.deepcopy(m)]
     for j, draft in enumerate(drafts):
         # transformers reads these from the draft's generation_config: 4 drafted tokens every round, whatever the

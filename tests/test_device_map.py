@@ -1,4 +1,4 @@
-"""Big-model placement (issue 9): ``device_map`` splits at decoder layers, CPU / disk offload gives the same tokens,
+"""Big-model placement: ``device_map`` splits at decoder layers, CPU / disk offload gives the same tokens,
 and (on a machine with 2+ GPUs) a layer split over GPUs keeps every cache tensor on its layer's device.
 
 CPU checks: accelerate's ``infer_auto_device_map`` on the full 48B-A3B shape (meta weights, bf16) with two
@@ -15,8 +15,9 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate import infer_auto_device_map, init_empty_weights  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
-from modeling_kimi_hybrid.cache_kimi_hybrid import KDALayerCache  # noqa: E402
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
+from kimi_hybrid.cache_kimi_hybrid import KDALayerCache  # noqa: E402
+from presets import preset_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,7 +56,7 @@ def test_cpu_disk_offload_generates_the_same(preset, tmp_path):
     the plain model's. Exercises the weights the model reads directly (KDA conv kernels, absorbed-MLA kv_b_proj,
     fused experts) under offload."""
     torch.manual_seed(0)
-    ref = KimiHybridForCausalLM(KimiHybridConfig.from_preset(preset, initializer_range=0.1)).eval()
+    ref = KimiHybridForCausalLM(preset_config(preset, initializer_range=0.1)).eval()
     ref.save_pretrained(tmp_path / "m")
     n = ref.config.num_hidden_layers
     dmap = {"model.embed_tokens": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
@@ -77,7 +78,7 @@ def test_two_gpu_split_cache_on_layer_devices(tmp_path):
     """Layers split over cuda:0 / cuda:1: greedy tokens equal the single-GPU model's, and every KDA state and MLA
     latent lives on its layer's device."""
     torch.manual_seed(0)
-    ref = KimiHybridForCausalLM(KimiHybridConfig.from_preset("tiny-mla-first", initializer_range=0.1)).eval()
+    ref = KimiHybridForCausalLM(preset_config("tiny-mla-first", initializer_range=0.1)).eval()
     ref.save_pretrained(tmp_path / "m")
     n = ref.config.num_hidden_layers
     dmap = {"model.embed_tokens": 0, "model.norm": 1, "lm_head": 1}

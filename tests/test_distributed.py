@@ -1,11 +1,11 @@
-"""Distributed LoRA (issue 9) on what this machine has: FSDP2 over 2 CPU processes (gloo).
+"""Distributed LoRA on what this machine has: FSDP2 over 2 CPU processes (gloo).
 
 * FSDP2-sharded LoRA (``fully_shard`` per KimiDecoderLayer, PEFT ``target_parameters`` on the fused experts,
   gradient checkpointing) gives the loss and LoRA gradients of the unsharded model (rel 1e-5).
 * ``examples/train_lora_fsdp.py`` end to end under ``torchrun`` (2 processes): FSDP2 units, loss falls on a small
   memorisable pool, the adapter (gathered LoRA weights only) saves and loads.
 * ``examples/accelerate_fsdp2.yaml`` names FSDP2 and the model's no-split unit.
-GPU runs (accelerate + FSDP2 on 2 H200) were not made; see docs/serving.md and the report.
+GPU runs (accelerate + FSDP2 on 2 H200) were not made; see docs/serving.md.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from presets import TINY_PRESETS, preset_config
 
 pytest.importorskip("peft")
 pytest.importorskip("accelerate")
@@ -37,7 +38,7 @@ def _port():
 
 
 def _torchrun(args, env_extra=None, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.update(env_extra or {})
     for attempt in range(2):  # a second try on a fresh port: the free port picked here can be taken meanwhile
         cmd = [TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_port())] + args
@@ -49,7 +50,7 @@ def _torchrun(args, env_extra=None, timeout=240):
 
 def test_accelerate_config_is_fsdp2_per_decoder_layer():
     yaml = pytest.importorskip("yaml")
-    from modeling_kimi_hybrid import KimiHybridForCausalLM
+    from kimi_hybrid import KimiHybridForCausalLM
 
     cfg = yaml.safe_load((ROOT / "examples" / "accelerate_fsdp2.yaml").read_text())
     assert cfg["distributed_type"] == "FSDP"
@@ -61,8 +62,7 @@ def test_accelerate_config_is_fsdp2_per_decoder_layer():
 
 @needs_torchrun
 def test_fsdp2_lora_grads_match_single_process(tmp_path):
-    sys.path.insert(0, str(ROOT / "tests"))
-    import fsdp2_lora_worker as w
+    import fsdp2_lora_worker as w  # tests/ is on sys.path as the folder of the test modules (pytest's rootdir rule)
 
     _torchrun([str(ROOT / "tests" / "fsdp2_lora_worker.py"), str(tmp_path / "g.pt")])
     got = torch.load(tmp_path / "g.pt")
@@ -83,19 +83,20 @@ def test_fsdp2_lora_grads_match_single_process(tmp_path):
 def test_train_lora_fsdp_example_two_processes(tmp_path):
     from peft import PeftModel
 
-    from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
+    from kimi_hybrid import KimiHybridForCausalLM
 
-    _torchrun([str(ROOT / "examples" / "train_lora_fsdp.py"), "--preset", "tiny-kda-first", "--synthetic",
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY_PRESETS["tiny-kda-first"]))
+    _torchrun([str(ROOT / "examples" / "train_lora_fsdp.py"), "--preset", str(tmp_path / "tiny.json"), "--synthetic",
                "--synthetic-pool", "2", "--seq-len", "32", "--batch-size", "2", "--steps", "8", "--lr", "2e-2",
                "--rank", "4", "--alpha", "8", "--shard-manually", "--out", str(tmp_path / "run")],
               env_extra={"ACCELERATE_USE_CPU": "true"})
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
-    n_layers = KimiHybridConfig.from_preset("tiny-kda-first").num_hidden_layers
+    n_layers = preset_config("tiny-kda-first").num_hidden_layers
     assert rep["world_size"] == 2
     assert rep["fsdp2_units"] == n_layers + 1 and rep["dtensor_params"] > 0
     assert rep["last_loss"] < rep["first_loss"] - 0.1, rep
     torch.manual_seed(0)
-    base = KimiHybridForCausalLM(KimiHybridConfig.from_preset("tiny-kda-first"))
+    base = KimiHybridForCausalLM(preset_config("tiny-kda-first"))
     loaded = PeftModel.from_pretrained(base, tmp_path / "run" / "adapter")
     nonzero_b = [n for n, p in loaded.named_parameters() if "lora_B" in n and p.abs().max() > 0]
     assert nonzero_b, "the saved adapter holds the trained (non-zero) LoRA B matrices"

@@ -27,9 +27,10 @@ from unittest import mock
 import pytest
 import torch
 
-from app import hub
-from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
-from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from kimi_hybrid.app import hub
+from kimi_hybrid import KimiHybridForCausalLM
+from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "modeling_kimi_hybrid"
@@ -46,7 +47,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    cfg = KimiHybridConfig.from_preset(
+    cfg = preset_config(
         "tiny-mla-first", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -207,26 +208,23 @@ def test_push_uploads_everything_a_user_needs(model, tokenizer):
 
 @pytest.mark.skipif(not HAS_WEIGHTS, reason="the embedded model's weights are not in this checkout")
 def test_embedded_model_folder():
-    """The shipped folder: weights + config + tokenizer + card, < 30 MB, vocab == len(tokenizer), and the copied
-    tokenizer file is the bundle's (so AutoTokenizer with trust_remote_code loads the same class)."""
+    """The shipped folder: weights + config + tokenizer + card; weights <= 60 MB in shards of <= 16 MiB,
+    vocab == len(tokenizer); no model code
+    (the package holds it once; ``save_pretrained`` / ``kimi-hybrid export`` write it into folders that leave the
+    repository)."""
     files = {p.name: p.stat().st_size for p in EMBEDDED.iterdir() if p.is_file()}
-    for name in ("config.json", "generation_config.json", "README.md", "tiktoken.model", "tokenizer_config.json",
-                 "tokenization_kimi_hybrid.py"):
+    for name in ("config.json", "generation_config.json", "README.md", "tiktoken.model", "tokenizer_config.json"):
         assert name in files, name
     if "model.safetensors.index.json" in files:
         shards = set(json.loads((EMBEDDED / "model.safetensors.index.json").read_text())["weight_map"].values())
         assert shards <= set(files), shards - set(files)
     else:
         assert "model.safetensors" in files
-    assert sum(files.values()) < 30e6
-    # the bundle code is stored as regular files (a symlink breaks when the folder is copied or uploaded elsewhere)
-    # and must equal this checkout's package
-    for src in sorted(BUNDLE.glob("*_kimi_hybrid.py")):
-        shipped = EMBEDDED / src.name
-        assert shipped.is_file() and not shipped.is_symlink(), f"{shipped} must be a regular file"
-        assert shipped.read_bytes() == src.read_bytes(), (
-            f"models/kimi-hybrid-stdlib/{src.name} is stale: copy modeling_kimi_hybrid/{src.name} over it")
+    weights = {f: n for f, n in files.items() if f.endswith(".safetensors")}
+    assert sum(weights.values()) <= 60e6 and max(weights.values()) <= 16 * 2**20, weights
+    assert not [f for f in files if f.endswith(".py")], sorted(files)
     cfg = json.loads((EMBEDDED / "config.json").read_text())
+    assert "auto_map" not in cfg and "auto_map" not in json.loads((EMBEDDED / "tokenizer_config.json").read_text())
     tok = KimiHybridTokenizer.from_pretrained(str(EMBEDDED))
     assert cfg["vocab_size"] == len(tok)
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (

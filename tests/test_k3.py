@@ -1,5 +1,5 @@
-"""Kimi K3 text backbone (issue 6): each K3 module and the whole tiny K3 forward against an explicit restatement of
-shared/docs/k3-spec.md written here (independent of the model code), the K3 dtype rules, the K3 preset, cache /
+"""Kimi K3 text backbone: each K3 module and the whole tiny K3 forward against an explicit restatement of
+docs/k3.md written here (independent of the model code), the K3 dtype rules, the K3 preset, cache /
 generation equivalences on tiny K3 configs, the full-preset cache memory at 128,000 tokens, and a K3 chat round trip.
 
 The reference functions below (``ref_*``) read only tensors of the model's ``state_dict`` and the config's numbers;
@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import modeling_kimi_hybrid.modeling_kimi_hybrid as mk
-import modeling_kimi_hybrid.moe_kimi_hybrid as mkm
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+import kimi_hybrid.modeling_kimi_hybrid as mk
+import kimi_hybrid.moe_kimi_hybrid as mkm
+from conversion_fixtures import released_config_dict
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +39,7 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 
 # ================================================================================================================
-# the spec, restated (k3-spec sections 1-5); plain fp32 torch, no model code
+# the spec, restated (docs/k3.md sections 2-5); plain fp32 torch, no model code
 # ================================================================================================================
 
 REF_DTYPE = torch.float32  # the reference computes in this dtype (float64 to measure the model's own rounding)
@@ -284,7 +286,7 @@ _MODELS = {}
 def tiny_model(name, **over):
     key = (name, tuple(sorted(over.items())))
     if key not in _MODELS:
-        cfg = KimiHybridConfig.from_preset(name, **over)
+        cfg = preset_config(name, **over)
         torch.manual_seed(0)
         _MODELS[key] = randomize(KimiHybridForCausalLM(cfg).eval(), seed=1)
     return _MODELS[key]
@@ -315,7 +317,7 @@ def assert_rel(got, want, rtol=1e-5, what=""):
 @pytest.mark.parametrize("q_lora", [True, False])
 def test_gated_mla_matches_spec(scale, q_lora):
     over = {} if q_lora else {"q_lora_rank": None}
-    cfg = KimiHybridConfig.from_preset("tiny-k3", **over)
+    cfg = preset_config("tiny-k3", **over)
     layer = cfg.layer_types.index(FULL)
     attn = randomize(mk.KimiMLAttention(cfg, layer).eval(), seed=3)
     sd = {k: v.detach() for k, v in attn.state_dict().items()}
@@ -331,7 +333,7 @@ def test_gated_mla_matches_spec(scale, q_lora):
 def test_mla_gate_is_per_channel_before_o_proj():
     """A gate that is ~0 on exactly one channel (head, v-dim) and 0.5 elsewhere must equal removing that column of
     o_proj with the other channels halved: one gate per channel, applied before o_proj."""
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     attn = randomize(mk.KimiMLAttention(cfg, cfg.layer_types.index(FULL)).eval(), seed=4)
     x = torch.randn(1, 5, cfg.hidden_size)
     x[..., 0] = 1.0
@@ -357,9 +359,9 @@ def test_kda_gate_forms():
     H, K = 4, 16
     g_raw = torch.randn(3, 5, H, K, generator=gen) * 3
     A_log, dt = torch.randn(H, generator=gen), torch.randn(H * K, generator=gen)
-    from modeling_kimi_hybrid.kda_kimi_hybrid import kda_gate
-    lb_cfg = KimiHybridConfig.from_preset("tiny-k3")
-    sp_cfg = KimiHybridConfig.from_preset("tiny-k3-softplus")
+    from kimi_hybrid.kda_kimi_hybrid import kda_gate
+    lb_cfg = preset_config("tiny-k3")
+    sp_cfg = preset_config("tiny-k3-softplus")
     assert lb_cfg.gate_lower_bound == -5.0 and sp_cfg.gate_lower_bound is None
     lb = kda_gate(g_raw, A_log, dt, -5.0)
     # the spec's formula, element by element, written out once more for one entry
@@ -378,7 +380,7 @@ def test_kda_gate_forms():
 @pytest.mark.parametrize("T", [11, 70])  # 70 > the chunk size 64 of the chunked kernel
 @pytest.mark.parametrize("preset", ["tiny-k3", "tiny-k3-softplus"])
 def test_kda_layer_matches_spec(preset, T):
-    cfg = KimiHybridConfig.from_preset(preset)
+    cfg = preset_config(preset)
     layer = cfg.layer_types.index(LINEAR)
     attn = randomize(mk.KimiDeltaAttention(cfg, layer).eval(), seed=6)
     sd = {k: v.detach() for k, v in attn.state_dict().items()}
@@ -393,7 +395,7 @@ def test_kda_layer_matches_spec(preset, T):
 
 def test_kda_low_rank_gate_still_matches_spec():
     """use_full_rank_gate False (Kimi-Linear's g_a/g_b) with the K3 lower-bounded decay."""
-    cfg = KimiHybridConfig.from_preset("tiny-k3", linear_attn_config={
+    cfg = preset_config("tiny-k3", linear_attn_config={
         "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0})
     attn = randomize(mk.KimiDeltaAttention(cfg, 0).eval(), seed=8)
     sd = {k: v.detach() for k, v in attn.state_dict().items()}
@@ -410,7 +412,7 @@ def test_kda_low_rank_gate_still_matches_spec():
 @pytest.mark.parametrize("scale", [1.0, 0.02])
 @pytest.mark.parametrize("use_norm", [True, False])
 def test_latent_moe_matches_spec(use_norm, scale):
-    cfg = KimiHybridConfig.from_preset("tiny-k3", latent_moe_use_norm=use_norm)
+    cfg = preset_config("tiny-k3", latent_moe_use_norm=use_norm)
     moe = randomize(mkm.KimiMoE(cfg).eval(), seed=9)
     sd = {k: v.detach() for k, v in moe.state_dict().items()}
     L, D = cfg.routed_expert_hidden_size, cfg.hidden_size
@@ -429,7 +431,7 @@ def test_latent_moe_matches_spec(use_norm, scale):
 
 
 def test_router_bias_chooses_but_does_not_weigh():
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     router = randomize(mkm.KimiRouter(cfg), seed=11)
     x = torch.randn(16, cfg.hidden_size)
     with torch.no_grad():
@@ -450,7 +452,7 @@ def test_router_bias_chooses_but_does_not_weigh():
 # ================================================================================================================
 
 def test_situ_matches_spec():
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     assert (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta) == ("situ", 4.0, 25.0)
     g = torch.linspace(-60, 60, 241).view(-1, 1).expand(241, 9)
     u = torch.linspace(-200, 200, 9).view(1, -1).expand(241, 9)
@@ -465,13 +467,13 @@ def test_situ_matches_spec():
     out = mkm.glu_act(cfg, gb, ub)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref_situ(gb, ub, 4.0, 25.0).bfloat16())
     # null betas: beta 1, un-capped up half
-    cfg_none = KimiHybridConfig.from_preset("tiny-k3", activation_situ_beta=None, activation_situ_linear_beta=None)
+    cfg_none = preset_config("tiny-k3", activation_situ_beta=None, activation_situ_linear_beta=None)
     assert_close(mkm.glu_act(cfg_none, g, u), ref_situ(g, u, None, None), 1e-3, "SiTU null betas")
 
 
 def test_situ_used_in_every_mlp_kind():
     """Dense layer-0 MLP and the shared experts use SiTU (the routed experts are covered by the latent MoE test)."""
-    cfg = KimiHybridConfig.from_preset("tiny-k3")
+    cfg = preset_config("tiny-k3")
     mlp = randomize(mkm.KimiMLP(cfg), seed=12)
     sd = {k: v.detach() for k, v in mlp.state_dict().items()}
     x = torch.randn(4, cfg.hidden_size) * 3
@@ -536,7 +538,7 @@ def test_attn_res_k3_plan_has_nine_exit_candidates(monkeypatch):
     """The full K3 layer plan (93 layers, bs 12) at toy width: 8 snapshots (layers 0, 12, ..., 84) and 9 candidates
     at the exit."""
     full = KimiHybridConfig.from_preset("kimi-k3")
-    cfg = KimiHybridConfig.from_preset(
+    cfg = preset_config(
         "tiny-k3", num_hidden_layers=93, layer_types=full.layer_types, attn_res_block_size=12,
         mlp_layer_types=full.mlp_layer_types, hidden_size=16, intermediate_size=16, num_attention_heads=2,
         num_key_value_heads=2, num_experts=4, moe_intermediate_size=8, routed_expert_hidden_size=8, q_lora_rank=8,
@@ -566,7 +568,7 @@ def test_whole_model_matches_reference(preset):
 
 
 def test_output_hidden_states_are_prefix_sums():
-    """Each recorded state is the partial block sum entering the layer (k3-spec 1.3), the last one the normed exit."""
+    """Each recorded state is the partial block sum entering the layer (docs/k3.md section 2), the last one the normed exit."""
     model = tiny_model("tiny-k3")
     ids = ids_for(model.config, 1, 4)
     with torch.no_grad():
@@ -591,7 +593,7 @@ def test_gradient_checkpointing_keeps_attn_res_gradients(reentrant):
     loss.backward()
     want = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     # no gradient: the correction bias (a buffer-like parameter) and layer 0's attention-side AttnRes pair (the mix
-    # is skipped there, k3-spec 1.3)
+    # is skipped there, docs/k3.md section 2)
     assert sorted(n for n, g in want.items() if g is None) == sorted(
         [n for n in want if n.endswith("e_score_correction_bias")]
         + ["model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"])
@@ -723,12 +725,12 @@ def test_k3_preset_values():
     assert c.layer_types[0] == LINEAR and c.layer_types[91] == c.layer_types[92] == FULL
     assert c.mlp_layer_types == ["dense"] + ["sparse"] * 92
     # the released text_config reads back to the same plan
-    again = KimiHybridConfig.from_released_dict({"model_type": "kimi_k3", "text_config": c.to_released_dict()})
+    again = KimiHybridConfig.from_released_dict({"model_type": "kimi_k3", "text_config": released_config_dict(c)})
     assert again.layer_types == c.layer_types and again.attn_res_block_size == 12
 
 
 def test_k3_preset_shapes_and_parameter_count():
-    """Built on the meta device (nothing allocated): the k3-spec section 7 shapes, and the logical parameter total
+    """Built on the meta device (nothing allocated): the docs/k3.md section 7 shapes, and the logical parameter total
     2,779,484,478,208 minus the 32 zero-padding A_log entries the checkpoint stores per KDA layer (69 x 32)."""
     cfg = KimiHybridConfig.from_preset("kimi-k3")
     with torch.device("meta"):
@@ -768,7 +770,7 @@ def test_k3_preset_shapes_and_parameter_count():
 
 
 def _released_k3_config():
-    """A K3 top-level config.json as described by checkpoint-facts section 6 (text_config values of the table)."""
+    """A K3 top-level config.json as described by docs/k3.md section 1 (text_config values of the table)."""
     full = list(range(4, 93, 4)) + [93]
     text = {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
@@ -808,7 +810,7 @@ def test_released_k3_config_reads_as_the_preset(tmp_path):
 
 
 def test_tiny_k3_presets():
-    a, b, c = (KimiHybridConfig.from_preset(n) for n in TINY_K3)
+    a, b, c = (preset_config(n) for n in TINY_K3)
     assert a.gate_lower_bound == -5.0 and b.gate_lower_bound is None
     assert b.layer_types[0] == FULL and a.layer_types[0] == LINEAR
     assert c.num_hidden_layers % c.attn_res_block_size != 0 and c.latent_moe_use_norm is False
@@ -1029,7 +1031,7 @@ def test_k3_cache_memory_at_128k():
 # ================================================================================================================
 
 def test_k3_chat_round_trip_through_generate():
-    from modeling_kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
+    from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
     tok = KimiHybridTokenizer(str(ROOT / "models" / "kimi-hybrid-stdlib" / "tiktoken.model"), chat_format="kimi-k3")
     eom = tok.convert_tokens_to_ids("<|end_of_msg|>")
     model = tiny_model("tiny-k3", vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=eom,

@@ -23,7 +23,7 @@ TOL = 2e-5
 
 
 def loop_reference(q, k, v, g, beta, h0=None, scale=None):
-    """The spec (checkpoint-facts 3.1 step 8) written per batch and head with explicit matrices, float64."""
+    """The recurrence (docs/kda.md, step 7) written per batch and head with explicit matrices, float64."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale

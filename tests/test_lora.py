@@ -1,4 +1,4 @@
-"""PEFT LoRA on KimiHybrid (issue 7): targets, CPU training, fast paths with adapters, save / load / merge.
+"""PEFT LoRA on KimiHybrid: targets, CPU training, fast paths with adapters, save / load / merge.
 
 All CPU, fp32, tiny random configs (``tiny-kda-first``: 3 KDA + 1 MLA with MoE; ``tiny-mla-first``; ``tiny-k3``).
 Tolerances are stated per test. GPU variants at the end skip without CUDA.
@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from app.lora import (  # noqa: E402
+from kimi_hybrid.app.lora import (  # noqa: E402
     EXPERT_PARAMETERS,
     check_lora_targets,
     enable_gradient_checkpointing,
@@ -30,8 +30,9 @@ from app.lora import (  # noqa: E402
     packing_collator,
     recommended_lora_config,
 )
-from modeling_kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
-from modeling_kimi_hybrid.modeling_kimi_hybrid import KimiMLAttention  # noqa: E402
+from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
+from kimi_hybrid.modeling_kimi_hybrid import KimiMLAttention  # noqa: E402
+from presets import TINY_PRESETS, preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def _one_thread():
 
 def tiny(preset="tiny-kda-first", seed=0, **over):
     torch.manual_seed(seed)
-    cfg = KimiHybridConfig.from_preset(preset, **over)
+    cfg = preset_config(preset, **over)
     return KimiHybridForCausalLM(cfg).eval()
 
 
@@ -364,7 +365,7 @@ def test_static_cache_generation_with_adapter():
 def test_mla_decode_step_uses_adapted_kv_b_proj():
     """One MLA layer, one decode step with a cache: output with a kv_b_proj adapter == decompressed attention with
     the merged weight (max abs diff <= 1e-5), and differs from the absorbed path on the base weight."""
-    from modeling_kimi_hybrid import KimiHybridCache
+    from kimi_hybrid import KimiHybridCache
 
     m = tiny("tiny-mla-first", initializer_range=0.1)
     pm = get_peft_model(m, LoraConfig(r=4, lora_alpha=16, target_modules=["kv_b_proj"], init_lora_weights=False))
@@ -473,7 +474,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def _one_triton_config(request):
     """GPU tests: one Triton config per FLA kernel (kernels/testing.py; correctness does not depend on it)."""
     if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
-        from kernels.testing import limit_triton_autotuning
+        from kimi_hybrid.kernels.testing import limit_triton_autotuning
 
         limit_triton_autotuning()
     yield
@@ -541,17 +542,13 @@ def test_gpu_lora_grads_match_cpu_reference(preset):
 # ------------------------------------------------------------------------------------------------------------------
 
 def test_finetune_example_end_to_end(tmp_path):
-    import importlib.util
-
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ROOT / "models" / "kimi-hybrid-stdlib"))
     model = tiny(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                  bos_token_id=tok.bos_token_id)
     model.save_pretrained(tmp_path / "base")
-    spec = importlib.util.spec_from_file_location("finetune_lora", ROOT / "examples" / "finetune_lora.py")
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    import finetune_lora as ex  # examples/ is on the test path (pyproject: [tool.pytest.ini_options] pythonpath)
     rep = ex.main(["--model", str(tmp_path / "base"), "--package", "json", "--steps", "10", "--seq-len", "64",
                    "--batch-size", "4", "--lr", "5e-2", "--rank", "4", "--alpha", "8", "--max-train-tokens", "1024",
                    "--max-eval-tokens", "256", "--max-new-tokens", "6", "--prompt", "import json",
@@ -568,12 +565,9 @@ def test_finetune_example_end_to_end(tmp_path):
 def test_bench_script_cpu_smoke(tmp_path):
     """examples/bench_lora.py on tiny widths: native kimi_linear and ours share weights (fp32 logits agree to 1e-4)
     and both train a step with the same LoraConfig."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_lora", ROOT / "examples" / "bench_lora.py")
-    b = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(b)
-    res = b.main(["--tiny", "--device", "cpu", "--seq-len", "16", "--steps", "1", "--warmup", "1",
+    import bench_lora as b  # examples/ is on the test path (pyproject: [tool.pytest.ini_options] pythonpath)
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY_PRESETS["tiny-kda-first"]))
+    res = b.main(["--config", str(tmp_path / "tiny.json"), "--device", "cpu", "--seq-len", "16", "--steps", "1", "--warmup", "1",
                   "--out", str(tmp_path / "b.json")])
     assert res["parity"]["max_abs_logit_diff"] <= 1e-4
     assert res["ours"]["trainable_params"] == res["native"]["trainable_params"] > 0

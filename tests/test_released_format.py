@@ -11,6 +11,7 @@ import safetensors.torch
 import torch
 import transformers.modeling_utils
 from conversion_fixtures import released_tensors, tiny_released_config, write_checkpoint
+from presets import preset_config
 
 from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid.conversion import config_io
@@ -36,20 +37,20 @@ def test_from_pretrained_refuses_a_released_folder_before_reading_weights(tmp_pa
     write_checkpoint(str(src), cfg, released_tensors(cfg))
     # the same patch stops the load of one of our folders at its first weight read: it does intercept the reads
     ours = tmp_path / "ours"
-    KimiHybridForCausalLM(KimiHybridConfig.from_preset("tiny-kda-first")).save_pretrained(ours)
+    KimiHybridForCausalLM(preset_config("tiny-kda-first")).save_pretrained(ours)
     _no_weight_reads(monkeypatch)
     with pytest.raises(AssertionError, match="a weight file was opened"):
         KimiHybridForCausalLM.from_pretrained(ours)
     with pytest.raises(ValueError) as err:
         KimiHybridForCausalLM.from_pretrained(src)
     msg = str(err.value)
-    assert f"kimi-hybrid-convert convert {src} {src}-kimi-hybrid" in msg
+    assert f"kimi-hybrid-convert {src} {src}-kimi-hybrid" in msg
     assert "'kimi_linear'" in msg and "no weight was loaded" in msg
 
 
 def test_from_pretrained_refuses_a_k3_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": {}}))
-    with pytest.raises(ValueError, match=r"(?s)'kimi_k3' checkpoint .* kimi-hybrid-convert convert"):
+    with pytest.raises(ValueError, match=r"(?s)'kimi_k3' checkpoint .* kimi-hybrid-convert /"):
         KimiHybridForCausalLM.from_pretrained(tmp_path)
 
 
@@ -63,7 +64,7 @@ def _model_tensors(cfg: KimiHybridConfig) -> dict:
 def test_tensor_plan_is_the_meta_models_state_dict(preset):
     """The plan the converter writes (read from the config as the converter reads it) has exactly the tensors of
     the model built from the preset: names, shapes, and fp32 for the parameters kept in fp32."""
-    cfg = KimiHybridConfig.from_preset(preset)
+    cfg = preset_config(preset)
     src_format = "k3" if cfg.is_k3 else "released"
     ours = config_io.to_ours(cfg.to_dict(), "ours")
     plan = plan_for(ours, src_format, variant="plain" if src_format == "k3" else "")

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 
 from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
-from modeling_kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION
+from kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION
+from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5
@@ -31,7 +32,7 @@ _MODELS = {}
 def get_model(preset: str, seed: int = 0) -> KimiHybridForCausalLM:
     if (preset, seed) not in _MODELS:
         torch.manual_seed(seed)
-        _MODELS[(preset, seed)] = KimiHybridForCausalLM(KimiHybridConfig.from_preset(preset)).eval()
+        _MODELS[(preset, seed)] = KimiHybridForCausalLM(preset_config(preset)).eval()
     return _MODELS[(preset, seed)]
 
 
@@ -148,9 +149,9 @@ def test_save_load_roundtrip_and_refusals(preset, tmp_path):
     # a model whose config does not match: refused, naming the difference
     other = "tiny-mla-first" if preset == "tiny-kda-first" else "tiny-kda-first"
     with pytest.raises(ValueError, match="config does not match.*layer_types"):
-        KimiHybridCache.load(str(path), KimiHybridConfig.from_preset(other))
+        KimiHybridCache.load(str(path), preset_config(other))
     with pytest.raises(ValueError, match="config does not match.*kv_lora_rank"):
-        KimiHybridCache.load(str(path), KimiHybridConfig.from_preset(preset, kv_lora_rank=16))
+        KimiHybridCache.load(str(path), preset_config(preset, kv_lora_rank=16))
     # corrupt payload: checksum
     bad = dict(tensors)
     key = next(k for k in bad if k.endswith("recurrent_state"))
@@ -171,10 +172,9 @@ def test_save_load_roundtrip_and_refusals(preset, tmp_path):
 _CHILD = r"""
 import json, sys
 import torch
-sys.path.insert(0, sys.argv[1])
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 results = {}
-for job in json.loads(sys.argv[2]):
+for job in json.loads(sys.argv[1]):
     model = KimiHybridForCausalLM.from_pretrained(job["model"]).eval()
     cache = KimiHybridCache.load(job["cache"], model.config)
     seq = torch.tensor(job["sequences"])
@@ -200,7 +200,7 @@ def test_resume_after_reload_in_a_new_process(tmp_path):
                      "sequences": first.sequences.tolist()})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), json.dumps(jobs)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(jobs)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]

@@ -17,22 +17,24 @@ from pathlib import Path
 
 import pytest
 
+from presets import TINY_PRESETS
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from modeling_kimi_hybrid import KimiHybridConfig
-from modeling_kimi_hybrid import kda_kimi_hybrid as kk
-from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
+from kimi_hybrid import KimiHybridConfig
+from kimi_hybrid import kda_kimi_hybrid as kk
+from kimi_hybrid import moe_kimi_hybrid as moe
+from kimi_hybrid.kernels import kda_decode
 from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-out = {"kda": [], "moe": [], "flags": [kk._TRITON, moe._MOE_TRITON]}
+out = {"kda": [], "moe": [], "flags": [kda_decode.TRITON_AVAILABLE, moe._MOE_TRITON]}
 for (B, T, H, K, V, l2) in [(2, 1, 4, 64, 64, True), (1, 3, 2, 32, 48, True), (2, 2, 3, 100, 20, False),
                             (1, 1, 2, 128, 128, True)]:
     g = torch.Generator().manual_seed(B * 10 + T)
@@ -42,13 +44,13 @@ for (B, T, H, K, V, l2) in [(2, 1, 4, 64, 64, True), (1, 3, 2, 32, 48, True), (2
                        torch.randn(H * K, generator=g))
     beta = torch.rand(B, T, H, generator=g)
     h0 = torch.randn(B, H, K, V, generator=g) * 0.1
-    o, s = kk.kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2, block_v=16)
+    o, s = kda_decode.kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2, block_v=16)
     o_ref, s_ref = kk.recurrent_kda_ref(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
                                         use_qk_l2norm_in_kernel=l2)
     out["kda"].append([rel(o, o_ref), rel(s, s_ref), list(o.shape) == list(o_ref.shape)])
 for (N, E, k, D, F) in [(1, 16, 4, 64, 48), (3, 8, 2, 40, 24)]:
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first", num_experts=E, num_experts_per_token=k,
-                                       moe_intermediate_size=F, hidden_size=D)
+    cfg = KimiHybridConfig(**{**json.loads(sys.argv[1]), "num_experts": E, "num_experts_per_token": k,
+                              "moe_intermediate_size": F, "hidden_size": D})
     torch.manual_seed(N)
     ex = moe.KimiExperts(cfg, D)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.05)
@@ -66,7 +68,7 @@ print(json.dumps(out))
 
 def test_triton_kernels_match_references_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", KIMI_HYBRID_DISABLE_FLA="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT)], capture_output=True, text=True, env=env,
+    res = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(TINY_PRESETS["tiny-kda-first"])], capture_output=True, text=True, env=env,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

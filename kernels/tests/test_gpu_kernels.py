@@ -13,9 +13,12 @@ import warnings
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
-from modeling_kimi_hybrid import kda_kimi_hybrid as kk
-from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import kda_kimi_hybrid as kk
+from kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import moe_kimi_hybrid as moe
+from kimi_hybrid.kernels.kda_decode import kda_decode_triton
+from presets import preset_config
 
 warnings.filterwarnings("ignore")
 
@@ -111,7 +114,7 @@ def test_kda_decode_triton_vs_ref(B, T, H, K, V, dtype, l2):
     beta = torch.rand(B, T, H, device="cuda", generator=g_).to(dtype)
     h0 = torch.randn(B, H, K, V, device="cuda", generator=g_) * 0.1
     with torch.no_grad():
-        o, ht = kk.kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2)
+        o, ht = kda_decode_triton(q, k, v, gate, beta, h0, use_qk_l2norm_in_kernel=l2)
         o_ref, ht_ref = kk.recurrent_kda_ref(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
                                              use_qk_l2norm_in_kernel=l2)
         o_d, ht_d = kk.kda_recurrent(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
@@ -126,10 +129,10 @@ def test_kda_decode_triton_vs_ref(B, T, H, K, V, dtype, l2):
 def test_kda_decode_triton_is_graph_capturable():
     q, k, v, g, beta, h0 = kda_inputs(1, 1, 8, 128, 128, seed=5, state=True)
     with torch.no_grad():
-        kk.kda_decode_triton(q, k, v, g, beta, h0)  # compile outside the capture
+        kda_decode_triton(q, k, v, g, beta, h0)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            o, ht = kk.kda_decode_triton(q, k, v, g, beta, h0)
+            o, ht = kda_decode_triton(q, k, v, g, beta, h0)
         graph.replay()
         o_ref, ht_ref = kk.recurrent_kda_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                              use_qk_l2norm_in_kernel=True)
@@ -201,7 +204,7 @@ def test_short_conv_varlen_fla_vs_ref():
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 7, 300])
 def test_grouped_experts_vs_loop(N):
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first", num_experts=64, num_experts_per_token=8,
+    cfg = preset_config("tiny-kda-first", num_experts=64, num_experts_per_token=8,
                                        moe_intermediate_size=64, hidden_size=128)
     torch.manual_seed(N)
     ex = moe.KimiExperts(cfg, 128).cuda()
@@ -237,7 +240,7 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
     """The decode-sized expert GEMVs (Triton) == a per-token fp32 loop over the chosen experts; KimiExperts uses
     them for <= MOE_GEMV_MAX_PAIRS token-expert pairs, and they agree with the grouped GEMM path (bf16)."""
     E, k, D, F_ = 64, 8, 256, 96
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first", num_experts=E, num_experts_per_token=k,
+    cfg = preset_config("tiny-kda-first", num_experts=E, num_experts_per_token=k,
                                        moe_intermediate_size=F_, hidden_size=D)
     torch.manual_seed(N)
     ex = moe.KimiExperts(cfg, D).cuda()
@@ -275,7 +278,7 @@ def test_moe_decode_gemv_vs_reference(N, dtype, tol):
 # ------------------------------------------------------------------------------------------------------- models
 def _tiny(preset):
     # linear head dim 32 so the FLA kernels run at a realistic tile shape; widths multiples of 8 for grouped GEMM
-    cfg = KimiHybridConfig.from_preset(preset, linear_attn_config={"head_dim": 32, "num_heads": 2,
+    cfg = preset_config(preset, linear_attn_config={"head_dim": 32, "num_heads": 2,
                                                                    "short_conv_kernel_size": 4})
     torch.manual_seed(0)
     return cfg, KimiHybridForCausalLM(cfg).eval()
@@ -321,7 +324,7 @@ def test_cuda_graph_decode_equals_eager(dtype, tol, compile):
     bf16 the compiled step rounds differently (inductor fuses elementwise chains in fp32 and rounds once where eager
     rounds every op; measured 1.3e-2 over 10 steps, a near-tied router choice can flip), so compiled bf16 is held
     to the bf16-vs-fp32 model tolerance 3e-2; the plain graph replays eager's kernels and stays at 1e-2."""
-    from kernels.cuda_graph import GraphDecoder, prefill_to_static
+    from kimi_hybrid.kernels.cuda_graph import GraphDecoder, prefill_to_static
 
     torch._dynamo.reset()
     cfg, m = _tiny("tiny-kda-first")

@@ -6,15 +6,16 @@ import warnings
 import pytest
 import torch
 
-from modeling_kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
-from modeling_kimi_hybrid import modeling_kimi_hybrid as mk
-from kimi_hybrid import moe_kimi_hybrid as moe  # the installed package: the one that uses our kernels
+from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import modeling_kimi_hybrid as mk
+from kimi_hybrid import moe_kimi_hybrid as moe
+from presets import preset_config
 
 warnings.filterwarnings("ignore")
 
 
 def _attn(preset="tiny-kda-first"):
-    cfg = KimiHybridConfig.from_preset(preset)
+    cfg = preset_config(preset)
     torch.manual_seed(0)
     m = KimiHybridForCausalLM(cfg).eval()
     layer = next(l.self_attn for l in m.model.layers if isinstance(l.self_attn, mk.KimiMLAttention))
@@ -59,7 +60,7 @@ def test_attend_latent_causal_bias():
 def test_decode_latent_vs_decompressed_model(preset):
     """Prefill, a 3-token chunk with a past (bottom-right causal bias) and 1-token steps: latent-space decode and the
     decompressed path (``mla_absorb_max_q_len=0``) both equal the full forward; dynamic and static caches."""
-    cfg = KimiHybridConfig.from_preset(preset)
+    cfg = preset_config(preset)
     torch.manual_seed(1)
     m = KimiHybridForCausalLM(cfg).eval()
     ids = torch.randint(3, cfg.vocab_size, (2, 14))
@@ -77,7 +78,7 @@ def test_decode_latent_vs_decompressed_model(preset):
 
 
 def test_expert_fallback_vs_reference():
-    cfg = KimiHybridConfig.from_preset("tiny-kda-first")
+    cfg = preset_config("tiny-kda-first")
     torch.manual_seed(2)
     ex = moe.KimiExperts(cfg, cfg.hidden_size)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.1)
@@ -97,9 +98,9 @@ def test_expert_fallback_vs_reference():
 
 
 def test_static_cache_copy_and_prefill_to_static():
-    from kernels.cuda_graph import prefill_to_static
+    from kimi_hybrid.kernels.cuda_graph import prefill_to_static
 
-    cfg = KimiHybridConfig.from_preset("tiny-mla-first")
+    cfg = preset_config("tiny-mla-first")
     torch.manual_seed(3)
     m = KimiHybridForCausalLM(cfg).eval()
     ids = torch.randint(3, cfg.vocab_size, (2, 12))
