@@ -22,7 +22,8 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -31,7 +32,7 @@ TOL = 1e-5
 def tiny(name="tiny-kda-first", seed=0, bias=True, **over):
     """A tiny random model (eval mode). ``bias``: a non-zero router correction bias ("bias only chooses")."""
     torch.manual_seed(seed)
-    model = KimiHybridForCausalLM(KimiHybridConfig.from_preset(name, **over)).eval()
+    model = KimiHybridForCausalLM(preset_config(name, **over)).eval()
     if bias:
         with torch.no_grad():
             for mod in model.modules():
@@ -96,8 +97,8 @@ def test_version_outside_the_window_is_refused_or_warned(version, outcome):
 
 
 def _remote_code_script(folder, body):
-    """A script that loads ``folder`` with trust_remote_code where neither kimi_hybrid nor this checkout can be
-    imported (the Hub use), then runs ``body`` with ``m`` bound to the model."""
+    """A script that loads ``folder`` with trust_remote_code where kimi_hybrid cannot be imported (the Hub use),
+    then runs ``body``."""
     return textwrap.dedent(f"""
         import sys, importlib.abc, json, warnings
         class Block(importlib.abc.MetaPathFinder):
@@ -105,7 +106,6 @@ def _remote_code_script(folder, body):
                 if name.split('.')[0] in ('kimi_hybrid', 'modeling_kimi_hybrid'):
                     raise ImportError('blocked: ' + name)
         sys.meta_path.insert(0, Block())
-        sys.path = [p for p in sys.path if p not in ('', {ROOT!r})]
         import torch, transformers
         from transformers import AutoModelForCausalLM
     """) + textwrap.dedent(body).replace("FOLDER", repr(str(folder)))
