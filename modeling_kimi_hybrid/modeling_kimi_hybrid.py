@@ -1235,7 +1235,15 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         """transformers' default, but the 2-D padding mask is always passed through (our layers build their own
         KDA / MLA masks from it, also with a static cache). The cache comes as ``past_key_values`` (transformers
         <= 5.23) or ``cache`` (5.24 on) and is handed on under the installed transformers' name."""
-        kwargs[GENERATION_CACHE_NAME] = resolve_cache_arg(past_key_values, kwargs.pop("cache", None))
+        cache = resolve_cache_arg(past_key_values, kwargs.pop("cache", None))
+        kwargs[GENERATION_CACHE_NAME] = cache
+        if (kwargs.get("next_sequence_length") is None and inputs_embeds is None and isinstance(cache, KimiHybridCache)
+                and all(cache.is_linear)):
+            # transformers >= 5.24 does not slice the already-cached tokens off for a cache of linear layers only
+            # (its own such caches cannot report a length); ours counts positions, so feed only the new tokens
+            past = cache.get_seq_length()
+            if 0 < past < input_ids.shape[1]:
+                kwargs["next_sequence_length"] = input_ids.shape[1] - past
         inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
                                                        inputs_embeds=inputs_embeds, **kwargs)
         if attention_mask is not None:
