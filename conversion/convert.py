@@ -413,6 +413,11 @@ def convert_checkpoint(
     fmt = config_io.detect_format(src.config) if src_format == "auto" else src_format
     if dst_format is None:
         dst_format = "released" if fmt == "ours" else "ours"
+    if fmt == "ours" and dst_format == "ours":
+        raise ConversionError(
+            f"{src_dir} is already in kimi-hybrid's layout (config.json model_type 'kimi_hybrid') and needs no "
+            f"conversion: load it as it is (kimi-hybrid generate --model {src_dir}), or export it to the released "
+            f"layout with: kimi-hybrid-convert export {src_dir} OUT")
     try:
         ours_cfg = config_io.to_ours(src.config, fmt)
     except config_io.ConfigError as e:

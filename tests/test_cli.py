@@ -551,3 +551,18 @@ def test_push_connection_errors_of_the_http_client(tiny_dir, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.main(["push", "--model", str(tiny_dir), "--repo-id", "me/tiny", "--device", "cpu"])
     assert str(e.value.code).startswith("kimi-hybrid: cannot push to 'me/tiny' on the Hugging Face Hub ([Errno -2]")
+
+
+def test_converter_says_a_converted_folder_needs_no_conversion(tiny_dir, tmp_path, capsys):
+    """``kimi-hybrid-convert OUR_FOLDER OUT``: the folder is in our layout already; the converter says so (it used
+    to say "no plan from 'ours' to ours") and writes nothing."""
+    from kimi_hybrid.conversion.__main__ import main as convert_main
+
+    out = tmp_path / "out"
+    assert convert_main([str(tiny_dir), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"[kimi-hybrid-convert] refused: {tiny_dir} is already in kimi-hybrid's layout (config.json "
+                   f"model_type 'kimi_hybrid') and needs no conversion: load it as it is (kimi-hybrid generate "
+                   f"--model {tiny_dir}), or export it to the released layout with: kimi-hybrid-convert export "
+                   f"{tiny_dir} OUT")
+    assert not out.exists()
