@@ -632,7 +632,7 @@ def cmd_memory(args) -> int:
         name = args.preset or str(args.config or args.model)
         plan = memory.make_plan(config, name, gpu, args.context, weights_dtype=args.weights_dtype,
                                 cache_dtype=args.cache_dtype, reserve_bytes=reserve)
-        print(memory.format_plan(plan))
+        print(memory.format_plan(plan), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
         if args.plot:
