@@ -344,9 +344,9 @@ class TokenHealing:
     The last prompt token is taken back and the first generated tokens are constrained to re-spell its bytes:
     each must start with the removed text still to re-spell, or be a prefix of it.
 
-    We do not use transformers' own: it strips the prompt's whitespace (trailing indentation matters in code),
-    and it matches token strings in the GPT-2 byte alphabet against decoded text, which misses every tail with a
-    space or a newline for byte-level tokenizers such as ours.
+    We do not use transformers' own (5.23): it strips the prompt's whitespace (trailing indentation matters in
+    code), and it looks a tail up with its spaces written as the tokenizer's token for ``" "``, which for ours is
+    ``[UNK]``: tails with a space (``" in"``) are not healed, or raise KeyError inside ``generate``.
 
     Built by :meth:`prepare` from the prompt ids; ``processor()`` is a transformers ``LogitsProcessor`` for
     ``generate(logits_processor=...)`` (batch of one row). ``removed_text`` is what the generated text starts

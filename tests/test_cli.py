@@ -566,3 +566,33 @@ def test_converter_says_a_converted_folder_needs_no_conversion(tiny_dir, tmp_pat
                    f"--model {tiny_dir}), or export it to the released layout with: kimi-hybrid-convert export "
                    f"{tiny_dir} OUT")
     assert not out.exists()
+
+
+def test_token_healing_keeps_whitespace_tails(tokenizer):
+    """Tails with spaces heal too, and trailing indentation is kept: transformers' ``heal_tokens`` strips the
+    prompt (the indentation is lost) and looks tails up with the space written as the tokenizer's token for ' '
+    (here '[UNK]', so a tail such as ' in' is never healed; transformers 5.23 even raises KeyError on it), which is
+    why the CLI has its own."""
+    from kimi_hybrid import KimiHybridForCausalLM as Model
+
+    prompt = "class A:\n    def f(self):\n        "
+    ids = tokenizer(prompt).input_ids
+    trimmed, heal = cli.TokenHealing.prepare(tokenizer, ids)
+    assert heal.removed == b"        " and tokenizer.decode(trimmed) + heal.removed_text == prompt
+    table = cli.token_bytes_table(tokenizer)
+    assert all(table[i].startswith(b"        ") or b"        ".startswith(table[i]) for i in heal.allowed([]))
+    in_ids = tokenizer("for i in").input_ids
+    trimmed, heal = cli.TokenHealing.prepare(tokenizer, in_ids)
+    assert heal is not None and heal.removed == b" in" and token_id(tokenizer, " int") in heal.allowed([])
+    # transformers' own on the same prompts (a random model: only the prompt handling matters)
+    cfg = KimiHybridConfig.from_preset("tiny-kda-first", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Model(cfg).eval()
+    healed = model.heal_tokens(torch.tensor([ids]), tokenizer)
+    assert not tokenizer.decode(healed[0]).startswith(prompt)  # the indentation is gone
+    try:
+        theirs = model.heal_tokens(torch.tensor([in_ids]), tokenizer)[0].tolist()
+    except KeyError:  # transformers 5.23: the tail's own token is not among the extensions it looked up
+        theirs = in_ids
+    assert theirs == in_ids  # ' in' is not healed

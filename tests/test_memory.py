@@ -161,3 +161,17 @@ def test_cli_memory_user_errors(args, expected):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(expected), r.stderr
+
+
+def test_readme_memory_planner_section_is_the_planner_output():
+    """The table in README's "Memory planner" section is what the planner prints for the command shown there."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split('<!-- BEGIN section "Memory planner" -->')[1].split("<!-- END")[0]
+    assert "kimi-hybrid memory --preset kimi-linear-48b-a3b --gpu-mem 141GB --context 1048576" in section
+    plan = memory.make_plan(memory.load_config(preset="kimi-linear-48b-a3b"), "kimi-linear-48b-a3b",
+                            memory.parse_size("141GB"), 1048576)
+    printed = memory.format_plan(plan).splitlines()
+    table = [line for line in section.splitlines() if line.startswith("  ") and (" B " in line or "per token" in line)]
+    assert len(table) == 4 and all(line in printed for line in table), table
