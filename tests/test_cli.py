@@ -462,7 +462,10 @@ def test_default_decoding_does_not_loop(tokenizer):
         plain = model.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False,
                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
         ours = model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
-        assert distinct_4(plain) < 0.5 and distinct_4(ours) > 0.6, (prompt, distinct_4(plain), distinct_4(ours))
+        # measured on the current embedded model: plain 0.03 / 0.12, defaults 0.72 / 0.92 (a better-trained model
+        # may loop less greedily; the defaults must stay above 0.6 and never do worse)
+        assert distinct_4(ours) > 0.6 and distinct_4(ours) >= distinct_4(plain), (prompt, distinct_4(plain),
+                                                                                  distinct_4(ours))
 
 
 def with_generation_config(src: Path, dst: Path, **fields) -> Path:
