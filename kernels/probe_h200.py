@@ -18,17 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions  # noqa: E402
-from kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
+try:  # the package layout after the restructure, else the checkout's top-level folder (repo root on PYTHONPATH)
+    from kimi_hybrid.kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions
+    from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache
+except ImportError:
+    from kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions
+    from kernels.cuda_graph import GraphDecoder, to_static_cache
 
 
 def cuda_time(fn, reps):

@@ -118,6 +118,7 @@ def _efficient(q, k, v, scale, causal):
 _FUSED: Dict[str, Callable] = {"cudnn": _cudnn, "flash": _flash_padded, "efficient": _efficient}
 _CHOSEN: Dict[tuple, Optional[Tuple[str, float]]] = {}
 _CHECK_LOG: Dict[tuple, dict] = {}
+_FAILED: Dict[tuple, set] = {}
 
 
 def _lse_as(lse: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
@@ -139,8 +140,10 @@ def fused_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: 
     if key in _CHOSEN:
         return _CHOSEN[key]
     gen = torch.Generator(device=device).manual_seed(1234)
-    log, chosen = {}, None
+    log, chosen = _CHECK_LOG.get(key, {}), None
     for name, fn in _FUSED.items():
+        if name in _FAILED.get(key, ()):
+            continue
         ok = True
         notes = []
         for causal, T, S in ((False, 67, 131), (True, 93, 93)):
@@ -182,9 +185,20 @@ def block_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     Returns ``o [B, H, T, dv]`` (fp32 or the input dtype) and ``lse [B, H, T]`` fp32 (natural log; -inf on rows that
     see no key of the block, whose o is 0). Unmasked blocks on CUDA run in a fused kernel (:func:`fused_backend`)."""
     if mask is None and q.is_cuda:
-        be = fused_backend(q.device, q.dtype, q.shape[-1], v.shape[-1])
-        if be is not None:
-            o, lse = _FUSED[be[0]](q, k, v, scale, causal)
+        key = (str(q.device), q.dtype, q.shape[-1], v.shape[-1])
+        for _ in range(len(_FUSED)):
+            be = fused_backend(q.device, q.dtype, q.shape[-1], v.shape[-1])
+            if be is None:
+                break
+            try:
+                o, lse = _FUSED[be[0]](q, k, v, scale, causal)
+            except RuntimeError as e:  # a size the small check did not cover: the next candidate from now on
+                if _graph_capturing(q):
+                    raise
+                _FAILED.setdefault(key, set()).add(be[0])
+                _CHECK_LOG.setdefault(key, {})[f"{be[0]} failed at {tuple(q.shape)} x {tuple(k.shape)}"] = str(e)[:200]
+                _CHOSEN.pop(key, None)
+                continue
             lse = _lse_as(lse, q.shape[0], q.shape[1], q.shape[2])
             return o, (lse * be[1] if be[1] != 1.0 else lse)
     return _math_block(q, k, v, scale, causal, mask)
