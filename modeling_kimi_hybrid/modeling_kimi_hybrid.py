@@ -45,7 +45,8 @@ from .cache_kimi_hybrid import _diff as _fingerprint_diff
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, recurrent_kda_ref, short_conv
 from .kda_kimi_hybrid import short_conv_update
-from . import mla_kimi_hybrid as _mla
+from .mla_kimi_hybrid import attend_decompressed as _mla_attend_decompressed
+from .mla_kimi_hybrid import attend_latent as _mla_attend_latent
 
 __all__ = [
     "KimiHybridPreTrainedModel",
@@ -693,14 +694,14 @@ class KimiMLAttention(nn.Module):
         """``q [B, T, H, nope + rope]`` over the decompressed keys of ``latent [B, S, r + rope]``; one SDPA call
         without a prefix, else key block by key block with a log-sum-exp merge (``mla_kimi_hybrid``). Returns
         ``[B, T, H, v]``."""
-        return _mla.attend_decompressed(q, latent, self.kv_b_proj, attn_mask, num_heads=self.num_heads,
+        return _mla_attend_decompressed(q, latent, self.kv_b_proj, attn_mask, num_heads=self.num_heads,
                                         kv_lora_rank=self.r, nope=self.nope, v_dim=self.v_dim, scaling=self.scaling)
 
     def _attend_latent(self, q, latent, attn_mask):
         """Attention in latent space (decode), ``mla_kimi_hybrid.attend_latent``: ``q [B, T, H, nope + rope]``,
         ``latent [B, S, r + rope]``, ``attn_mask`` bool ``[B, 1, T, S]`` / a ``CausalBias`` / None. Returns
         ``[B, T, H, v]``."""
-        return _mla.attend_latent(q, latent, self.kv_b_proj.weight, attn_mask, num_heads=self.num_heads,
+        return _mla_attend_latent(q, latent, self.kv_b_proj.weight, attn_mask, num_heads=self.num_heads,
                                   kv_lora_rank=self.r, nope=self.nope, v_dim=self.v_dim, scaling=self.scaling)
 
 
