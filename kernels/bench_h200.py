@@ -334,8 +334,8 @@ def prefill_layer_times(model, ids):
     finally:
         for h in hooks:
             h.remove()
-    per = {f"layer{i}:{model.model.layers[i].layer_type}+{'moe' if hasattr(model.model.layers[i].mlp, 'experts') else 'dense'}":
-           a.elapsed_time(b) / 1e3 for i, (a, b) in evs.items()}
+    kinds = [f"{l.layer_type}+{'moe' if hasattr(l.mlp, 'experts') else 'dense'}" for l in model.model.layers]
+    per = {f"layer{i}:{kinds[i]}": a.elapsed_time(b) / 1e3 for i, (a, b) in evs.items()}
     return total, per
 
 
@@ -344,7 +344,8 @@ def layer_work(cfg, T):
     D, H = cfg.hidden_size, cfg.num_attention_heads
     la = cfg.linear_attn_config
     Hk, K = la["num_heads"], la["head_dim"]
-    qk, dv, r, rope = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    r, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     moe = 2 * T * D * cfg.moe_intermediate_size * 3 * (cfg.num_experts_per_token + cfg.num_shared_experts)
     moe += 2 * T * D * cfg.num_experts  # router
     kda_proj = 2 * T * D * (3 * Hk * K) + 2 * T * D * Hk * K  # q, k, v, o
@@ -411,6 +412,46 @@ def fp32_notes(tiny):
     return out
 
 
+def save_autotune(dest):
+    """Tar Triton's ``*.autotune.json`` results (under ``$TRITON_CACHE_DIR``) into ``dest`` (FLA's autotuning then
+    restores on a fresh machine: ``kernels/device_run.sh`` unpacks it). Returns the number of files."""
+    import tarfile
+
+    root = os.environ.get("TRITON_CACHE_DIR")
+    if not root or not dest or not os.path.isdir(root):
+        return 0
+    n = 0
+    with tarfile.open(dest, "w:gz") as tf:
+        for d, _, files in os.walk(root):
+            for f in files:
+                if f.endswith(".autotune.json"):
+                    full = os.path.join(d, f)
+                    tf.add(full, arcname=os.path.join("triton", os.path.relpath(full, root)))
+                    n += 1
+    return n
+
+
+def mla_block_probe(H, qk, dv, Tq, k_lens):
+    """Seconds of one fused key block (q ``Tq`` x k each of ``k_lens``, bf16, non-causal) per backend: the first call
+    (cuDNN builds its plan there) and a second one when the first took under 2 s."""
+    out = {}
+    q = torch.randn(1, H, Tq, qk, device="cuda", dtype=torch.bfloat16)
+    for name in ("flash", "cudnn", "efficient"):
+        for S in k_lens:
+            k = torch.randn(1, H, S, qk, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(1, H, S, dv, device="cuda", dtype=torch.bfloat16)
+            try:
+                t1, _ = timed(lambda: mla._FUSED[name](q, k, v, qk ** -0.5, False))
+                t2 = timed(lambda: mla._FUSED[name](q, k, v, qk ** -0.5, False))[0] if t1 < 2 else None
+                flop = 2 * Tq * S * H * (qk + dv)
+                out[f"{name}_k{S}"] = {"first_s": round(t1, 4), "second_s": round(t2, 4) if t2 else None,
+                                       "TFLOPs_useful": round(flop / (t2 or t1) / 1e12, 1)}
+            except Exception as e:  # noqa: BLE001
+                out[f"{name}_k{S}"] = f"{type(e).__name__}: {str(e)[:150]}"
+            del k, v
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ main
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -425,7 +466,7 @@ def main():
     ap.add_argument("--long-chunk", type=int, default=32768)
     ap.add_argument("--long-max-s", type=float, default=300.0, help="stop the long prefill after this many seconds")
     ap.add_argument("--parity-T", type=int, default=512)
-    ap.add_argument("--sections", default="setup,cold,prefill,decode,long,decode2,perlayer,parity,fp32")
+    ap.add_argument("--sections", default="setup,mlaprobe,cold,prefill,long,decode,decode2,perlayer,parity,fp32")
     ap.add_argument("--budget-s", type=float, default=1e9, help="wall-clock seconds for the whole run")
     ap.add_argument("--no-compile", action="store_true", help="plain CUDA graphs only (no torch.compile)")
     ap.add_argument("--fp32-only", action="store_true", help="(internal) print the fp32 notes as JSON and exit")
@@ -448,7 +489,8 @@ def main():
             if getattr(args, a) == ap.get_default(a):
                 setattr(args, a, v)
     sections = args.sections.split(",")
-    R = {"summary": {}, "versions": versions(), "args": vars(args), "setup": {}, "ours": {}, "native": {},
+    R = {"summary": {}, "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+         "versions": versions(), "args": vars(args), "setup": {}, "ours": {}, "native": {},
          "skipped": {}, "errors": []}
     prof_out = args.profile_out or os.path.join(os.path.dirname(os.path.abspath(args.out)), "profile_128k.txt")
 
@@ -461,7 +503,9 @@ def main():
         with open(args.out, "w") as f:
             json.dump(R, f, indent=1, default=str)
 
-    def guard(name, fn, need_s=0.0):
+    def guard(name, fn, need_s=0.0, into=None):
+        """Run section ``fn`` unless unselected or out of budget; its result is stored at ``into`` = (dict, key)
+        before the JSON is rewritten (a run killed later keeps it)."""
         if name.split(" ")[0] not in sections:
             return None
         if left() < need_s:
@@ -471,7 +515,10 @@ def main():
             return None
         t0 = time.perf_counter()
         try:
-            return fn()
+            r = fn()
+            if into is not None:
+                into[0][into[1]] = r
+            return r
         except Exception as e:  # noqa: BLE001
             R["errors"].append({"where": name, "error": f"{type(e).__name__}: {str(e)[:400]}",
                                 "trace": traceback.format_exc()[-1500:]})
@@ -523,6 +570,14 @@ def main():
     print("setup", {k: v for k, v in R["setup"].items() if k != "mla_backend_checks"}, flush=True)
     save()
 
+    # -- fused MLA key-block kernels: time per backend and key length (the long prefill's block shapes) ------------
+    if CUDA:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        R["mla_block_probe"] = guard("mlaprobe", lambda: mla_block_probe(
+            cfg.num_attention_heads, qk, cfg.v_head_dim, min(args.long_chunk, 32768),
+            [32768, 65536, 98304, 104448] if not args.tiny else [300, 700]), need_s=60, into=(R, "mla_block_probe"))
+        print("mla block probe", R["mla_block_probe"], flush=True)
+
     # -- cold ----------------------------------------------------------------------------------------------------
     def cold():
         ids = rand(1, 4096 if not args.tiny else 128)
@@ -533,7 +588,9 @@ def main():
                 r["native_first_prefill_4096_s"] = round(
                     timed(lambda: native(ids, use_cache=False, logits_to_keep=1))[0], 2)
         return r
-    R["cold"] = guard("cold", cold)
+    R["cold"] = guard("cold", cold, into=(R, "cold"))
+    autotune_tgz = os.path.join(os.path.dirname(os.path.abspath(args.out)), "triton_autotune.tgz")
+    R["autotune_files_saved"] = save_autotune(autotune_tgz)
 
     # -- prefill -------------------------------------------------------------------------------------------------
     def prefill(model):
@@ -550,7 +607,8 @@ def main():
                 "peak_GiB": gib(mem_peak()), "peak_over_weights_GiB": gib(mem_peak() - base)}
     for name, model in (("ours", ours), ("native", native)):
         if model is not None:
-            R[name]["prefill"] = guard(f"prefill {name}", lambda m=model: prefill(m), need_s=40)
+            R[name]["prefill"] = guard(f"prefill {name}", lambda m=model: prefill(m), need_s=40,
+                                       into=(R[name], "prefill"))
             print(name, "prefill", R[name]["prefill"], flush=True)
 
     # -- decode (ours: graph over a static cache; native: its eager loop) -----------------------------------------
@@ -596,20 +654,31 @@ def main():
         base = mem_alloc()
         chunk_s = []
         deadline = time.perf_counter() + min(args.long_max_s, left() - 110)
+        mla.PROFILE = [] if CUDA else None
         dt, (dyn, last) = timed(lambda: ours_prefill(ours, cfg, ids, chunk=args.long_chunk, times=chunk_s,
                                                      deadline=deadline))
         L = dyn.seen_tokens  # all of them unless the deadline stopped it
         peak = mem_peak()
+        blocks = {}
+        for name, causal, qs, ks, e0, e1 in mla.PROFILE or []:
+            b = blocks.setdefault(f"{name} {'causal' if causal else 'full'} q{qs[2]} k{ks[2]}", [0, 0.0])
+            b[0] += 1
+            b[1] += e0.elapsed_time(e1) / 1e3
+        mla.PROFILE = None
         rep = cache_check(dyn, cfg)
         st = to_static_cache(dyn, L + 64)
         del dyn
         if CUDA:
             torch.cuda.empty_cache()
-        res = {"tokens": L, "asked_tokens": args.long, "chunk": args.long_chunk, "prefill_s": round(dt, 2), "prefill_tok_s": round(L / dt),
+        res = {"tokens": L, "asked_tokens": args.long, "chunk": args.long_chunk, "prefill_s": round(dt, 2),
+               "prefill_tok_s": round(L / dt),
                "chunk_s": chunk_s, "peak_GiB": gib(peak), "weights_GiB": gib(weights_b),
                "cache_GiB": gib(rep["total_bytes"]),
                "peak_over_weights_and_cache_GiB": gib(peak - weights_b - rep["total_bytes"]),
-               "peak_over_start_GiB": gib(peak - base), "cache_after_prefill": rep}
+               "peak_over_start_GiB": gib(peak - base), "cache_after_prefill": rep,
+               "mla_blocks_calls_s": {k: [v[0], round(v[1], 3)] for k, v in sorted(blocks.items())},
+               "mla_backend_log": {str(k): v for k, v in mla._CHECK_LOG.items()},
+               "mla_backend_failed": {str(k): sorted(v) for k, v in mla._FAILED.items()}}
         R["ours"]["long"] = res
         save()
         if True:
@@ -621,17 +690,20 @@ def main():
                         "x_floor": round(pipe / (fb / bps), 2), "cache_static": cache_check(st, cfg)})
             del dec
         return res
-    R["ours"]["long"] = guard("long", run_long, need_s=150 if not args.tiny else 0)
+    R["ours"]["long"] = guard("long", run_long, need_s=150 if not args.tiny else 0, into=(R["ours"], "long"))
+    R["autotune_files_saved"] = save_autotune(autotune_tgz)
     print("long", {k: v for k, v in (R["ours"]["long"] or {}).items() if k != "chunk_s"}, flush=True)
 
     compile_ok = CUDA and not args.no_compile
     R["ours"].setdefault("decode", {})
     R["native"].setdefault("decode", {})
     key = f"B1_T{args.decode_ctx}"
-    R["ours"]["decode"][key] = guard("decode ours b1", lambda: ours_decode(1, args.decode_ctx, compile_ok), need_s=90)
+    R["ours"]["decode"][key] = guard("decode ours b1", lambda: ours_decode(1, args.decode_ctx, compile_ok), need_s=90,
+                                     into=(R["ours"]["decode"], key))
     print("decode ours", key, R["ours"]["decode"][key], flush=True)
     if native is not None:
-        R["native"]["decode"][key] = guard("decode native b1", lambda: native_dec(1, args.decode_ctx), need_s=20)
+        R["native"]["decode"][key] = guard("decode native b1", lambda: native_dec(1, args.decode_ctx), need_s=20,
+                                           into=(R["native"]["decode"], key))
         print("decode native", key, R["native"]["decode"][key], flush=True)
 
     # -- decode at 128K and batch 32 -----------------------------------------------------------------------------
@@ -639,10 +711,11 @@ def main():
         key = f"B{B}_T{T}"
         comp = compile_ok and left() > 170
         R["ours"]["decode"][key] = guard(f"decode2 ours {key}", lambda B=B, T=T, c=comp: ours_decode(B, T, c),
-                                         need_s=30)
+                                         need_s=60, into=(R["ours"]["decode"], key))
         print("decode ours", key, R["ours"]["decode"][key], flush=True)
         if native is not None:
-            R["native"]["decode"][key] = guard(f"decode2 native {key}", lambda B=B, T=T: native_dec(B, T), need_s=30)
+            R["native"]["decode"][key] = guard(f"decode2 native {key}", lambda B=B, T=T: native_dec(B, T), need_s=40,
+                                               into=(R["native"]["decode"], key))
             print("decode native", key, R["native"]["decode"][key], flush=True)
 
     # -- per-layer prefill, profile, decode kernel counts ----------------------------------------------------------
@@ -685,7 +758,7 @@ def main():
                     with profile(activities=[ProfilerActivity.CUDA]) as p:
                         layer(h, None, ctx)
                         sync()
-                evs = [e for e in p.key_averages() if e.device_type.name == "CUDA"] if hasattr(p, "key_averages") else []
+                evs = [e for e in p.key_averages() if e.device_type.name == "CUDA"]
                 tot = sum(e.self_device_time_total for e in evs)
                 evs.sort(key=lambda e: -e.self_device_time_total)
                 lines.append(f"== layer {i} ({layer.layer_type}+moe) at T={T}: {sum(e.count for e in evs)} kernels, "
@@ -698,7 +771,8 @@ def main():
             with open(prof_out, "w") as f:
                 f.write("\n".join(lines) + "\n")
         return out
-    R["ours"]["prefill_per_layer"] = guard("perlayer", perlayer, need_s=25)
+    R["ours"]["prefill_per_layer"] = guard("perlayer", perlayer, need_s=25,
+                                           into=(R["ours"], "prefill_per_layer"))
 
     def decode_census():
         """Kernels one eager decode step of a layer launches (B=1, 4K static cache), per layer kind."""
@@ -734,7 +808,8 @@ def main():
                          "kernel_us": round(sum(e.self_device_time_total for e in evs), 1)}
         return out
     if CUDA:
-        R["ours"]["decode_kernels_per_layer_eager"] = guard("perlayer census", decode_census, need_s=15)
+        R["ours"]["decode_kernels_per_layer_eager"] = guard("perlayer census", decode_census, need_s=15,
+                                                            into=(R["ours"], "decode_kernels_per_layer_eager"))
 
     # -- teacher-forced parity -----------------------------------------------------------------------------------
     def parity():
@@ -784,7 +859,7 @@ def main():
                 save()
         return res
     if native is not None:
-        R["parity"] = guard("parity", parity, need_s=20)
+        R["parity"] = guard("parity", parity, need_s=20, into=(R, "parity"))
 
     # -- fp32 notes (subprocesses: the Triton fp32 dot precision is read when kernels compile) --------------------
     def fp32():
@@ -799,7 +874,8 @@ def main():
             line = [x for x in p.stdout.splitlines() if x.startswith("FP32JSON ")]
             out[prec] = json.loads(line[-1][9:]) if line else {"rc": p.returncode, "stderr": p.stderr[-800:]}
         return out
-    R["fp32"] = guard("fp32", fp32, need_s=45)
+    R["fp32"] = guard("fp32", fp32, need_s=45, into=(R, "fp32"))
+    R["autotune_files_saved"] = save_autotune(autotune_tgz)
     save()
     print_table(R)
 
@@ -817,14 +893,15 @@ def summarise(R, n_layers, args):
     v = R.get("versions", {})
     return {
         "layers": n_layers, "slice": bool(R.get("setup", {}).get("slice")), "model": R.get("setup", {}).get("model"),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": R.get("started_utc") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": v.get("commit"), "gpu": v.get("gpu"),
         "versions": {k: v.get(k) for k in ("torch", "cuda", "transformers", "triton", "fla_core")},
         "hbm_GBps_measured": R.get("setup", {}).get("hbm_GBps"),
         "prefill_128k_s": {"ours": pre.get("s"), "native": npre.get("s")}, "prefill_tokens": pre.get("T"),
         "prefill_128k_tok_s": {"ours": pre.get("tok_s"), "native": npre.get("tok_s")},
         "prefill_128k_peak_over_weights_gib": pre.get("peak_over_weights_GiB"),
-        "decode_b1_4k_ms": d(f"B1_T{args.decode_ctx}"), "decode_b1_4k_floor_ms": d(f"B1_T{args.decode_ctx}", "floor_ms"),
+        "decode_b1_4k_ms": d(f"B1_T{args.decode_ctx}"),
+        "decode_b1_4k_floor_ms": d(f"B1_T{args.decode_ctx}", "floor_ms"),
         "decode_b1_128k_ms": d(f"B1_T{args.decode_long_ctx}"),
         "decode_b1_128k_floor_ms": d(f"B1_T{args.decode_long_ctx}", "floor_ms"),
         "decode_b32_4k_ms": d(f"B{args.batch32}_T{args.decode_ctx}"),
@@ -832,7 +909,9 @@ def summarise(R, n_layers, args):
         "native_decode_b1_4k_ms": d(f"B1_T{args.decode_ctx}", src=ndec),
         "native_decode_b1_128k_ms": d(f"B1_T{args.decode_long_ctx}", src=ndec),
         "native_decode_b32_4k_ms": d(f"B{args.batch32}_T{args.decode_ctx}", src=ndec),
-        "long_1m": {"tokens": long_.get("tokens"), "chunk": long_.get("chunk"), "prefill_s": long_.get("prefill_s"),
+        "long_1m": {"tokens": long_.get("tokens"), "asked_tokens": long_.get("asked_tokens"),
+                    "complete": bool(long_) and long_.get("tokens") == long_.get("asked_tokens"),
+                    "chunk": long_.get("chunk"), "prefill_s": long_.get("prefill_s"),
                     "peak_gib": long_.get("peak_GiB"),
                     "peak_over_weights_and_cache_gib": long_.get("peak_over_weights_and_cache_GiB"),
                     "decode_ms": long_.get("decode_ms"), "decode_floor_ms": long_.get("floor_ms"),

@@ -14,8 +14,9 @@ Three ways to attend, picked by :func:`attend_decompressed` / :func:`attend_late
   blocks). Memory is one key block's K / V plus an fp32 ``[B, H, T, v]`` accumulator, whatever the prefix length;
   v stays at ``v_dim`` (no padding to the query/key width). With a bottom-right causal structure (chunked prefill)
   the prefix blocks are unmasked and the block of the new tokens is plain causal, so on CUDA each block runs in a
-  fused kernel that returns the log-sum-exp (cuDNN, else flash with v padded per block, else memory-efficient; the
-  first use on a device checks each candidate against the fp32 reference and keeps the first that agrees). With a
+  fused kernel that returns the log-sum-exp (flash with v padded per block, else cuDNN, else memory-efficient:
+  ``FUSED_ORDER``; the first use on a device checks each candidate against the fp32 reference and keeps the first
+  that agrees). With a
   boolean mask, and on CPU, blocks run in plain PyTorch (fp32 scores, queries also blocked to bound the scores).
 * **latent** (decode, a few new tokens): attention in latent space, the query absorbs ``W_UK`` and the output
   ``W_UV`` (:func:`attend_latent`).
@@ -116,6 +117,12 @@ def _efficient(q, k, v, scale, causal):
 
 
 _FUSED: Dict[str, Callable] = {"cudnn": _cudnn, "flash": _flash_padded, "efficient": _efficient}
+# the order candidates are tried in. Flash first: on an H200 (torch 2.11) it ran every block shape at ~260 TFLOP/s
+# useful, while cuDNN, 2x faster on some shapes, was ~100x slower on others (a 1M prefill at full depth measured
+# 2.3 s for one 32K piece and 82-102 s for the next ones; see kernels/README.md). The benchmark times each.
+FUSED_ORDER: Tuple[str, ...] = ("flash", "cudnn", "efficient")
+# set to a list to record (backend, causal, q shape, k shape, start event, end event) of every fused block call
+PROFILE: Optional[list] = None
 _CHOSEN: Dict[tuple, Optional[Tuple[str, float]]] = {}
 _CHECK_LOG: Dict[tuple, dict] = {}
 _FAILED: Dict[tuple, set] = {}
@@ -131,9 +138,10 @@ def _lse_as(lse: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
 def fused_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> Optional[Tuple[str, float]]:
     """The fused kernel used for unmasked key blocks on ``device`` at this dtype and head widths, chosen once.
 
-    Each candidate (cuDNN, flash with v padded per block, memory-efficient) runs a small problem (odd lengths, causal
-    and not) and is kept only if its output and log-sum-exp agree with :func:`_math_block` in fp32 (output rel. error
-    < 2e-2 in 16-bit / 2e-3 in fp32, log-sum-exp within 2e-2; a base-2 log-sum-exp is recognised and rescaled).
+    Each candidate in ``FUSED_ORDER`` (flash with v padded per block, cuDNN, memory-efficient) runs a small problem
+    (odd lengths, causal and not) and is kept only if its output and log-sum-exp agree with :func:`_math_block` in
+    fp32 (output rel. error < 2e-2 in 16-bit / 2e-3 in fp32, log-sum-exp within 2e-2; a base-2 log-sum-exp is
+    recognised and rescaled). A candidate that raises on a later, larger block is dropped for the next one.
     Returns ``(name, lse_factor)`` or None (no candidate: the plain-PyTorch block path is used). The outcome of every
     candidate is kept in ``_CHECK_LOG`` (reported by the benchmark)."""
     key = (str(device), dtype, qk_dim, v_dim)
@@ -141,7 +149,8 @@ def fused_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: 
         return _CHOSEN[key]
     gen = torch.Generator(device=device).manual_seed(1234)
     log, chosen = _CHECK_LOG.get(key, {}), None
-    for name, fn in _FUSED.items():
+    for name in FUSED_ORDER:
+        fn = _FUSED[name]
         if name in _FAILED.get(key, ()):
             continue
         ok = True
@@ -191,7 +200,13 @@ def block_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             if be is None:
                 break
             try:
+                if PROFILE is not None:
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    ev[0].record()
                 o, lse = _FUSED[be[0]](q, k, v, scale, causal)
+                if PROFILE is not None:
+                    ev[1].record()
+                    PROFILE.append((be[0], causal, tuple(q.shape), tuple(k.shape), ev[0], ev[1]))
             except RuntimeError as e:  # a size the small check did not cover: the next candidate from now on
                 if _graph_capturing(q):
                     raise
