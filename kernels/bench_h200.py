@@ -465,6 +465,8 @@ def main():
     ap.add_argument("--long", type=int, default=1048576)
     ap.add_argument("--long-chunk", type=int, default=32768)
     ap.add_argument("--long-max-s", type=float, default=300.0, help="stop the long prefill after this many seconds")
+    ap.add_argument("--long-reserve-s", type=float, default=110.0,
+                    help="seconds of the budget the long prefill leaves for what follows it")
     ap.add_argument("--parity-T", type=int, default=512)
     ap.add_argument("--sections", default="setup,mlaprobe,cold,prefill,long,decode,decode2,perlayer,parity,fp32")
     ap.add_argument("--budget-s", type=float, default=1e9, help="wall-clock seconds for the whole run")
@@ -653,7 +655,7 @@ def main():
         reset_peak()
         base = mem_alloc()
         chunk_s = []
-        deadline = time.perf_counter() + min(args.long_max_s, left() - 110)
+        deadline = time.perf_counter() + min(args.long_max_s, left() - args.long_reserve_s)
         mla.PROFILE = [] if CUDA else None
         dt, (dyn, last) = timed(lambda: ours_prefill(ours, cfg, ids, chunk=args.long_chunk, times=chunk_s,
                                                      deadline=deadline))

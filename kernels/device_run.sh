@@ -2,7 +2,7 @@
 # GPU tests + the H200 benchmark in one call on a machine without network, from wheels brought along.
 #
 #   WHEELS=dir/with/*.whl [AUTOTUNE_TGZ=kernels/results/triton_autotune.tgz] [TOTAL_S=545] \
-#     bash kernels/device_run.sh tests|bench|all
+#     bash kernels/device_run.sh tests|bench|lora|all
 #
 # Run from the project root (or a copy holding the package folder, kernels/ and conversion/). Wheels used for the
 # committed results: fla-core 0.6.0, flash-linear-attention 0.6.0, einops 0.8.2, transformers 5.23.0,
@@ -38,6 +38,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   el "benchmark, budget ${left}s"
   python3 -m kernels.bench_h200 --budget-s "$left" --out "$OUT/bench_h200.json" ${BENCH_ARGS:-} > "$OUT/bench_h200.log" 2>&1
   el "benchmark rc=$?"; grep -v "^ \|^\[transformers\]" "$OUT/bench_h200.log" | tail -30
+fi
+if [ "$what" = lora ]; then
+  el "LoRA benchmark"
+  python3 examples/bench_lora.py --out "$OUT/bench_lora_h200.json" > "$OUT/bench_lora_h200.log" 2>&1
+  el "LoRA benchmark rc=$?"; tail -4 "$OUT/bench_lora_h200.log"
 fi
 save_cache
 el "done"
