@@ -472,6 +472,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=1e9, help="wall-clock seconds for the whole run")
     ap.add_argument("--no-compile", action="store_true", help="plain CUDA graphs only (no torch.compile)")
     ap.add_argument("--fp32-only", action="store_true", help="(internal) print the fp32 notes as JSON and exit")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine the results of several runs (later files fill what earlier ones lack) into --out")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_h200.json"))
     ap.add_argument("--profile-out", default=None, help="kernel table file (default: next to --out)")
     args = ap.parse_args()
@@ -482,6 +484,9 @@ def main():
             from kernels.testing import limit_triton_autotuning
         limit_triton_autotuning()
         print("FP32JSON " + json.dumps(fp32_notes(args.tiny)))
+        return
+    if args.merge:
+        merge_results(args.merge, args.out)
         return
     t_start = time.perf_counter()
     n_layers = args.layers or (4 if args.tiny else 27)
@@ -880,6 +885,39 @@ def main():
     R["autotune_files_saved"] = save_autotune(autotune_tgz)
     save()
     print_table(R)
+
+
+def merge_results(paths, out):
+    """One record from several runs of the same model and commit (e.g. the long run in one device call, the rest in
+    another): each section (and each of ``ours`` / ``native``'s measurements, each decode case separately) is taken
+    whole from the first file that has it non-empty, so list the preferred run first; errors and skipped sections concatenated with the run they came from; the summary is recomputed."""
+    runs = [json.load(open(p)) for p in paths]
+    layers = {r["summary"].get("layers") for r in runs}
+    if len(layers) != 1:
+        raise SystemExit(f"--merge: the runs measured different depths {sorted(map(str, layers))}")
+    M = {"merged_from": [{"file": os.path.basename(p), "started_utc": r.get("started_utc"),
+                          "commit": r.get("versions", {}).get("commit"), "sections": r.get("args", {}).get("sections")}
+                         for p, r in zip(paths, runs)], "errors": [], "skipped": {}}
+    for p, r in zip(paths, runs):
+        for k, v in r.items():
+            if k in ("summary", "errors", "skipped", "merged_from"):
+                continue
+            if k in ("ours", "native"):
+                dst = M.setdefault(k, {})
+                for kk, vv in v.items():
+                    if kk == "decode" and isinstance(vv, dict) and isinstance(dst.get(kk), dict):  # per case
+                        dst[kk] = {**{c: x for c, x in vv.items() if x}, **{c: x for c, x in dst[kk].items() if x}}
+                    elif not dst.get(kk) and vv:
+                        dst[kk] = vv
+            elif not M.get(k) and v:
+                M[k] = v
+        M["errors"] += [{**e, "run": os.path.basename(p)} for e in r.get("errors", [])]
+        M["skipped"].update({f"{os.path.basename(p)}: {k}": v for k, v in r.get("skipped", {}).items()})
+    M["started_utc"] = runs[0].get("started_utc")
+    M["summary"] = summarise(M, layers.pop(), argparse.Namespace(**runs[0]["args"]))
+    with open(out, "w") as f:
+        json.dump(M, f, indent=1, default=str)
+    print_table(M)
 
 
 def summarise(R, n_layers, args):
