@@ -890,7 +890,8 @@ def main():
 def merge_results(paths, out):
     """One record from several runs of the same model and commit (e.g. the long run in one device call, the rest in
     another): each section (and each of ``ours`` / ``native``'s measurements, each decode case separately) is taken
-    whole from the first file that has it non-empty, so list the preferred run first; errors and skipped sections concatenated with the run they came from; the summary is recomputed."""
+    whole from the first file that has it non-empty, so list the preferred run first; errors and skipped sections
+    are concatenated with the run they came from; the summary is recomputed."""
     runs = [json.load(open(p)) for p in paths]
     layers = {r["summary"].get("layers") for r in runs}
     if len(layers) != 1:
