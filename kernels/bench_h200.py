@@ -584,6 +584,19 @@ def main():
             cfg.num_attention_heads, qk, cfg.v_head_dim, min(args.long_chunk, 32768),
             [32768, 65536, 98304, 104448] if not args.tiny else [300, 700]), need_s=60, into=(R, "mla_block_probe"))
         print("mla block probe", R["mla_block_probe"], flush=True)
+        probe = R.get("mla_block_probe") or {}
+        if probe:  # fastest first, by each kernel's worst block shape (one slow shape is what a long run pays for)
+            worst = {}
+            for name in mla._FUSED:
+                vals = [v["TFLOPs_useful"] for k, v in probe.items()
+                        if k.startswith(name + "_") and isinstance(v, dict)]
+                n_shapes = sum(1 for k in probe if k.startswith(name + "_"))
+                worst[name] = min(vals) if vals and len(vals) == n_shapes else 0.0
+            mla.FUSED_ORDER = tuple(sorted(worst, key=lambda n: -worst[n]))
+            mla._CHOSEN.clear()
+            R["mla_fused_order"] = {"order": mla.FUSED_ORDER, "worst_TFLOPs_useful": worst,
+                                    "chosen": mla.fused_backend(torch.device(DEV), torch.bfloat16, qk, cfg.v_head_dim)}
+            print("mla fused order", R["mla_fused_order"], flush=True)
 
     # -- cold ----------------------------------------------------------------------------------------------------
     def cold():

@@ -14,7 +14,7 @@ Three ways to attend, picked by :func:`attend_decompressed` / :func:`attend_late
   blocks). Memory is one key block's K / V plus an fp32 ``[B, H, T, v]`` accumulator, whatever the prefix length;
   v stays at ``v_dim`` (no padding to the query/key width). With a bottom-right causal structure (chunked prefill)
   the prefix blocks are unmasked and the block of the new tokens is plain causal, so on CUDA each block runs in a
-  fused kernel that returns the log-sum-exp (flash with v padded per block, else cuDNN, else memory-efficient:
+  fused kernel that returns the log-sum-exp (cuDNN, else flash with v padded per block, else memory-efficient:
   ``FUSED_ORDER``; the first use on a device checks each candidate against the fp32 reference and keeps the first
   that agrees). With a
   boolean mask, and on CPU, blocks run in plain PyTorch (fp32 scores, queries also blocked to bound the scores).
@@ -117,10 +117,10 @@ def _efficient(q, k, v, scale, causal):
 
 
 _FUSED: Dict[str, Callable] = {"cudnn": _cudnn, "flash": _flash_padded, "efficient": _efficient}
-# the order candidates are tried in. Flash first: on an H200 (torch 2.11) it ran every block shape at ~260 TFLOP/s
-# useful, while cuDNN, 2x faster on some shapes, was ~100x slower on others (a 1M prefill at full depth measured
-# 2.3 s for one 32K piece and 82-102 s for the next ones; see kernels/README.md). The benchmark times each.
-FUSED_ORDER: Tuple[str, ...] = ("flash", "cudnn", "efficient")
+# the order candidates are tried in: cuDNN first (unpadded; 544 TFLOP/s useful for one-shot causal 128K at these
+# widths on an H200, flash with v padded 261), flash next. kernels/bench_h200.py times each at the long prefill's
+# block shapes and reorders this tuple by the measurement.
+FUSED_ORDER: Tuple[str, ...] = ("cudnn", "flash", "efficient")
 # set to a list to record (backend, causal, q shape, k shape, start event, end event) of every fused block call
 PROFILE: Optional[list] = None
 _CHOSEN: Dict[tuple, Optional[Tuple[str, float]]] = {}
@@ -138,7 +138,7 @@ def _lse_as(lse: torch.Tensor, B: int, H: int, T: int) -> torch.Tensor:
 def fused_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: int) -> Optional[Tuple[str, float]]:
     """The fused kernel used for unmasked key blocks on ``device`` at this dtype and head widths, chosen once.
 
-    Each candidate in ``FUSED_ORDER`` (flash with v padded per block, cuDNN, memory-efficient) runs a small problem
+    Each candidate in ``FUSED_ORDER`` (cuDNN, flash with v padded per block, memory-efficient) runs a small problem
     (odd lengths, causal and not) and is kept only if its output and log-sum-exp agree with :func:`_math_block` in
     fp32 (output rel. error < 2e-2 in 16-bit / 2e-3 in fp32, log-sum-exp within 2e-2; a base-2 log-sum-exp is
     recognised and rescaled). A candidate that raises on a later, larger block is dropped for the next one.
@@ -187,24 +187,29 @@ def fused_backend(device: torch.device, dtype: torch.dtype, qk_dim: int, v_dim: 
     return chosen
 
 
+def _fused_device(t: torch.Tensor) -> bool:
+    """Whether unmasked blocks on t's device go to a fused kernel (CUDA); CPU uses the plain-PyTorch block."""
+    return t.is_cuda
+
+
 def block_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
                         mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, H, T, d]`` over one key block ``k [B, H, S, d]``, ``v [B, H, S, dv]`` with its
     log-sum-exp. ``causal`` = square top-left causal (T == S); ``mask`` bool broadcastable to ``[B, H, T, S]``.
     Returns ``o [B, H, T, dv]`` (fp32 or the input dtype) and ``lse [B, H, T]`` fp32 (natural log; -inf on rows that
     see no key of the block, whose o is 0). Unmasked blocks on CUDA run in a fused kernel (:func:`fused_backend`)."""
-    if mask is None and q.is_cuda:
+    if mask is None and _fused_device(q):
         key = (str(q.device), q.dtype, q.shape[-1], v.shape[-1])
         for _ in range(len(_FUSED)):
             be = fused_backend(q.device, q.dtype, q.shape[-1], v.shape[-1])
             if be is None:
                 break
             try:
-                if PROFILE is not None:
+                if PROFILE is not None and q.is_cuda:
                     ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                     ev[0].record()
                 o, lse = _FUSED[be[0]](q, k, v, scale, causal)
-                if PROFILE is not None:
+                if PROFILE is not None and q.is_cuda:
                     ev[1].record()
                     PROFILE.append((be[0], causal, tuple(q.shape), tuple(k.shape), ev[0], ev[1]))
             except RuntimeError as e:  # a size the small check did not cover: the next candidate from now on
@@ -240,8 +245,9 @@ def _causal_offset(attn_mask, T: int, S: int) -> Optional[int]:
     if attn_mask is None:
         return S - T
     if type(attn_mask).__name__ == "CausalBias":
-        variant = str(getattr(attn_mask, "variant", "")).upper()
-        if "LOWER_RIGHT" in variant:
+        # CausalVariant is an IntEnum: str() of it is "1" / "2" on Python >= 3.11, so compare its name
+        variant = getattr(getattr(attn_mask, "variant", None), "name", "")
+        if variant == "LOWER_RIGHT":
             return S - T
         if T == S:
             return 0
@@ -275,7 +281,9 @@ def attend_decompressed(q: torch.Tensor, latent: torch.Tensor, kv_b_proj: Callab
         return _attend_one_shot(q, latent, kv_b_proj, attn_mask, num_heads, kv_lora_rank, nope, v_dim, scaling)
     elt = 2 if q.dtype in (torch.bfloat16, torch.float16) else 4
     blk = key_block or max(16, KV_BLOCK_BYTES // max(1, B * H * (Dqk + v_dim) * elt))
-    blk = blk // 1024 * 1024 if blk >= 1024 else blk
+    # whole multiples of 8192 keys: with pieces of 8K multiples the prefix splits into few distinct block shapes
+    # (cuDNN builds one execution plan per shape)
+    blk = blk // 8192 * 8192 if blk >= 8192 else blk
     if (off is None or off < 0) and S <= blk:  # a dense mask over keys that fit one block: one SDPA call
         return _attend_one_shot(q, latent, kv_b_proj, attn_mask, num_heads, kv_lora_rank, nope, v_dim, scaling)
     qh = q.transpose(1, 2)

@@ -159,3 +159,58 @@ def test_model_chunked_prefill_with_small_key_blocks(preset, monkeypatch):
             else:
                 assert (got[0] - full[0]).abs().max().item() < 1e-4
                 assert (got[1, 3:] - full[1, 3:]).abs().max().item() < 1e-4
+
+
+def test_fused_kernel_selection_and_fallback(monkeypatch):
+    """The fused-kernel choice (run here on CPU with stand-in kernels): a candidate that fails the start-up check is
+    skipped, a base-2 log-sum-exp is recognised and rescaled, and a kernel that raises on a larger block is dropped
+    for the next candidate from then on; the result still equals the dense reference."""
+    import math
+
+    def bad(q, k, v, scale, causal):  # wrong output: fails the check
+        o, lse = mla._math_block(q, k, v, scale, causal, None)
+        return o * 1.5, lse
+
+    def big_fail(q, k, v, scale, causal):  # right, but raises on blocks of more than 150 keys
+        if k.shape[2] > 150:
+            raise RuntimeError("stand-in: no kernel for this size")
+        return mla._math_block(q, k, v, scale, causal, None)
+
+    def log2(q, k, v, scale, causal):  # right, log-sum-exp in base 2
+        o, lse = mla._math_block(q, k, v, scale, causal, None)
+        return o, lse / math.log(2)
+
+    monkeypatch.setattr(mla, "_fused_device", lambda t: True)
+    monkeypatch.setattr(mla, "_FUSED", {"bad": bad, "big_fail": big_fail, "log2": log2})
+    monkeypatch.setattr(mla, "FUSED_ORDER", ("bad", "big_fail", "log2"))
+    for name in ("_CHOSEN", "_CHECK_LOG", "_FAILED"):
+        monkeypatch.setattr(mla, name, {})
+    torch.manual_seed(6)
+    T, S = 30, 400
+    q, latent, proj = torch.randn(1, T, H, NOPE + ROPE), torch.randn(1, S, R + ROPE), _proj()
+    got = _run(q, latent, proj, causal_lower_right(T, S), 170)
+    ref = _reference(q, latent, proj, _bottom_right(T, S))
+    assert (got.double() - ref).abs().max().item() < 1e-5
+    key = ("cpu", torch.float32, NOPE + ROPE, DV)
+    assert mla._CHECK_LOG[key]["bad"]["ok"] is False
+    assert mla._FAILED[key] == {"big_fail"}
+    assert mla._CHOSEN[key] == ("log2", math.log(2))
+
+
+def test_causal_bias_takes_the_unmasked_block_path(monkeypatch):
+    """A bottom-right CausalBias (chunked prefill) is never materialised: every block is called without a mask (the
+    prefix blocks full, the new tokens' own block square causal), which is what lets CUDA run fused kernels."""
+    calls = []
+    real = mla.block_attention_lse
+
+    def spy(q, k, v, scale, causal=False, mask=None):
+        calls.append((k.shape[2], causal, mask is None))
+        return real(q, k, v, scale, causal=causal, mask=mask)
+
+    monkeypatch.setattr(mla, "block_attention_lse", spy)
+    torch.manual_seed(7)
+    T, S = 6, 40
+    q, latent, proj = torch.randn(1, T, H, NOPE + ROPE), torch.randn(1, S, R + ROPE), _proj()
+    got = _run(q, latent, proj, causal_lower_right(T, S), 16)
+    assert calls == [(16, False, True), (16, False, True), (2, False, True), (6, True, True)]
+    assert (got.double() - _reference(q, latent, proj, _bottom_right(T, S))).abs().max().item() < 1e-5
