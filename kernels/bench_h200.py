@@ -582,7 +582,7 @@ def main():
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         R["mla_block_probe"] = guard("mlaprobe", lambda: mla_block_probe(
             cfg.num_attention_heads, qk, cfg.v_head_dim, min(args.long_chunk, 32768),
-            [32768, 65536, 98304, 104448] if not args.tiny else [300, 700]), need_s=60, into=(R, "mla_block_probe"))
+            [32768, 65536, 98304] if not args.tiny else [300, 700]), need_s=60, into=(R, "mla_block_probe"))
         print("mla block probe", R["mla_block_probe"], flush=True)
         probe = R.get("mla_block_probe") or {}
         if probe:  # fastest first, by each kernel's worst block shape (one slow shape is what a long run pays for)

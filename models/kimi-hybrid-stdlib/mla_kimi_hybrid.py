@@ -74,17 +74,26 @@ def decompress_kv(latent: torch.Tensor, kv_b_proj: Callable[[torch.Tensor], torc
 def _math_block(q, k, v, scale, causal, mask):
     """Plain PyTorch: ``q [B, H, T, d]``, ``k [B, H, S, d]``, ``v [B, H, S, dv]``; ``mask`` bool broadcastable to
     ``[B, H, T, S]`` (True = attend) or None; ``causal``: square top-left causal. Returns ``o [B, H, T, dv]`` fp32
-    (0 on rows that see no key) and ``lse [B, H, T]`` fp32 (-inf there). Scores in fp32; queries are blocked so
+    (0 on rows that see no key) and ``lse [B, H, T]`` fp32 (-inf there). Scores in fp32 (16-bit inputs on CUDA:
+    tensor-core products written in fp32, ``bmm_fp32``; elsewhere the inputs are upcast); queries are blocked so
     one fp32 score tile stays under ``SCORE_BLOCK_BYTES``."""
-    B, H, T, _ = q.shape
+    B, H, T, d = q.shape
     S, dv = k.shape[2], v.shape[-1]
-    kf, vf = k.float(), v.float()
+    tc = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if tc:
+        kt = k.reshape(B * H, S, d).transpose(1, 2)
+        vv = v.reshape(B * H, S, dv)
+    else:
+        kt, vv = k.float().transpose(-1, -2), v.float()
     qb = max(1, min(T, SCORE_BLOCK_BYTES // max(1, B * H * S * 4)))
     o = torch.empty(B, H, T, dv, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     for a in range(0, T, qb):
         e = min(T, a + qb)
-        s = torch.matmul(q[:, :, a:e].float(), kf.transpose(-1, -2)).mul_(scale)
+        if tc:
+            s = bmm_fp32(q[:, :, a:e].reshape(B * H, e - a, d), kt).view(B, H, e - a, S).mul_(scale)
+        else:
+            s = torch.matmul(q[:, :, a:e].float(), kt).mul_(scale)
         if mask is not None:
             s = s.masked_fill(~mask[..., a:e, :], float("-inf"))
         if causal:
@@ -94,7 +103,11 @@ def _math_block(q, k, v, scale, causal, mask):
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m)
         l = p.sum(-1, keepdim=True)
-        o[:, :, a:e] = torch.matmul(p, vf) / l.clamp_min(torch.finfo(torch.float32).tiny)
+        if tc:  # probabilities in the input dtype for the context product, as SDPA does
+            pv = bmm_fp32(p.to(v.dtype).view(B * H, e - a, S), vv).view(B, H, e - a, dv)
+        else:
+            pv = torch.matmul(p, vv)
+        o[:, :, a:e] = pv / l.clamp_min(torch.finfo(torch.float32).tiny)
         lse[:, :, a:e] = (m + torch.log(l)).squeeze(-1)
     return o, lse
 
@@ -313,6 +326,8 @@ def attend_decompressed(q: torch.Tensor, latent: torch.Tensor, kv_b_proj: Callab
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"attn_mask must be a bool tensor [B, 1, T, S], a CausalBias or None; got {mask.dtype}")
         check = not _graph_capturing(q)
+        # masked blocks run in plain PyTorch: smaller key blocks keep its score tiles >= 512 query rows tall
+        blk = key_block or min(blk, max(16, SCORE_BLOCK_BYTES // max(1, B * H * 4 * 512)))
         for s in range(0, S, blk):
             e = min(S, s + blk)
             m = mask[..., s:e] if mask is not None else None
