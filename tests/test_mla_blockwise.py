@@ -163,8 +163,8 @@ def test_model_chunked_prefill_with_small_key_blocks(preset, monkeypatch):
 
 def test_fused_kernel_selection_and_fallback(monkeypatch):
     """The fused-kernel choice (run here on CPU with stand-in kernels): a candidate that fails the start-up check is
-    skipped, a base-2 log-sum-exp is recognised and rescaled, and a kernel that raises on a larger block is dropped
-    for the next candidate from then on; the result still equals the dense reference."""
+    skipped, a base-2 log-sum-exp is recognised and rescaled, a kernel that raises on a larger block hands that block
+    to the next candidate and is dropped after three such failures; the result still equals the dense reference."""
     import math
 
     def bad(q, k, v, scale, causal):  # wrong output: fails the check
@@ -183,17 +183,18 @@ def test_fused_kernel_selection_and_fallback(monkeypatch):
     monkeypatch.setattr(mla, "_fused_device", lambda t: True)
     monkeypatch.setattr(mla, "_FUSED", {"bad": bad, "big_fail": big_fail, "log2": log2})
     monkeypatch.setattr(mla, "FUSED_ORDER", ("bad", "big_fail", "log2"))
-    for name in ("_CHOSEN", "_CHECK_LOG", "_FAILED"):
+    for name in ("_CHOSEN", "_CHECK_LOG", "_FAILED", "_FAIL_COUNT"):
         monkeypatch.setattr(mla, name, {})
     torch.manual_seed(6)
-    T, S = 30, 400
+    T, S = 30, 600  # prefix blocks 170, 170, 170, 60: big_fail raises three times, then is dropped
     q, latent, proj = torch.randn(1, T, H, NOPE + ROPE), torch.randn(1, S, R + ROPE), _proj()
     got = _run(q, latent, proj, causal_lower_right(T, S), 170)
     ref = _reference(q, latent, proj, _bottom_right(T, S))
     assert (got.double() - ref).abs().max().item() < 1e-5
     key = ("cpu", torch.float32, NOPE + ROPE, DV)
     assert mla._CHECK_LOG[key]["bad"]["ok"] is False
-    assert mla._FAILED[key] == {"big_fail"}
+    assert mla._FAIL_COUNT[key] == {"big_fail": 3} and mla._FAILED[key] == {"big_fail"}
+    assert len(mla._CHECK_LOG[key]["runtime_failures"]) == 3
     assert mla._CHOSEN[key] == ("log2", math.log(2))
 
 
