@@ -9,7 +9,7 @@
 * the tokenizer files (``tiktoken.model`` and ``tokenizer_config.json`` with its own ``auto_map`` and the
   special-token names);
 * a model card ``README.md`` (Hub metadata + architecture + usage), unless one is given or found next to the
-  source weights.
+  source weights; either way it states the pip line the folder needs (``tiktoken`` included).
 
 :func:`push` prepares such a folder in a temporary directory, checks it with :func:`missing_files`, and uploads it
 with ``huggingface_hub.HfApi.create_repo`` + ``upload_folder``.
@@ -73,6 +73,38 @@ def missing_files(folder: Union[str, Path]) -> List[str]:
     return missing
 
 
+def _transformers_requirement() -> str:
+    """The transformers version range this package declares (its installed metadata), e.g. ``>=5.17,<5.24``."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        for req in requires("kimi-hybrid") or []:
+            spec = req[len("transformers"):].split(";")[0].strip() if req.startswith("transformers") else ""
+            if spec and spec[0] in "<>=!~":
+                return spec.replace(" ", "")
+    except PackageNotFoundError:  # pragma: no cover - a checkout that is not installed
+        pass
+    return ">=5.17"
+
+
+REQUIREMENTS_LINE = f'pip install torch "transformers{_transformers_requirement()}" tiktoken'
+REQUIREMENTS_NOTE = f"""
+## Requirements
+
+The modeling and tokenizer code ship in this folder (`trust_remote_code=True`); they need `torch`, `transformers`
+and `tiktoken` (the tokenizer is a tiktoken BPE):
+
+```bash
+{REQUIREMENTS_LINE}
+```
+"""
+
+
+def with_requirements(card: str) -> str:
+    """``card`` with the Requirements section appended unless it already gives :data:`REQUIREMENTS_LINE`."""
+    return card if REQUIREMENTS_LINE in card else card.rstrip("\n") + "\n" + REQUIREMENTS_NOTE
+
+
 def _fmt_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -113,7 +145,11 @@ MLA layers {lat} latent values per token each (`KimiHybridCache.memory_report()`
 
 ## Usage
 
-The modeling code ships in this folder, so only `torch`, `transformers` (>= 5.17) and `tiktoken` are needed:
+The modeling and tokenizer code ship in this folder, so only `torch`, `transformers` and `tiktoken` are needed:
+
+```bash
+{REQUIREMENTS_LINE}
+```
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -164,7 +200,7 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
         name = str(getattr(base, "name_or_path", "") or "")
         src = Path(name) / "README.md" if name and Path(name).is_dir() else None
         card = src.read_text(encoding="utf-8") if src is not None and src.is_file() else model_card(base, repo_id)
-    (out / "README.md").write_text(card, encoding="utf-8")
+    (out / "README.md").write_text(with_requirements(card), encoding="utf-8")
     missing = missing_files(out)
     if missing:
         raise FileNotFoundError(f"the Hub folder {out} is incomplete: {missing}")

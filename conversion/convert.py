@@ -340,13 +340,53 @@ def write_our_config(tmp: str, ours: dict, with_bundle: bool) -> list[str]:
     return write_model_config(tmp, ours, with_bundle)
 
 
+OUR_TOKENIZER_CODE = "tokenization_kimi_hybrid.py"
+
+
+def _names_our_tokenizer_code(tokenizer_config: str) -> bool:
+    """True when tokenizer_config.json's ``auto_map`` sends AutoTokenizer to our tokenizer file."""
+    try:
+        with open(tokenizer_config, encoding="utf-8") as f:
+            amap = json.load(f).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    target = amap.get("AutoTokenizer") if isinstance(amap, dict) else None
+    targets = target if isinstance(target, (list, tuple)) else [target]
+    return any(isinstance(t, str) and t.startswith(OUR_TOKENIZER_CODE[:-3] + ".") for t in targets)
+
+
+def _our_tokenizer_code() -> str | None:
+    """Path of the installed package's tokenizer file (None when the package is not importable)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("kimi_hybrid.tokenization_kimi_hybrid")
+    except ImportError:
+        return None
+    return spec.origin if spec is not None and spec.origin and os.path.isfile(spec.origin) else None
+
+
 def copy_side_files(src: str, dst: str) -> list[str]:
+    """Copy the tokenizer / generation files of ``src`` that exist into ``dst``; returns the names copied.
+
+    A tokenizer_config.json whose ``auto_map`` names our tokenizer (``tokenization_kimi_hybrid.KimiHybridTokenizer``)
+    comes with that code file, from ``src`` or else from the installed package, so that the folder's tokenizer
+    loads with ``trust_remote_code=True`` where kimi-hybrid is not installed."""
     copied = []
     for name in TOKENIZER_FILES:
         p = os.path.join(src, name)
         if os.path.isfile(p):
             shutil.copy2(p, os.path.join(dst, name))
             copied.append(name)
+    if "tokenizer_config.json" in copied and _names_our_tokenizer_code(os.path.join(src, "tokenizer_config.json")):
+        code = os.path.join(src, OUR_TOKENIZER_CODE)
+        code = code if os.path.isfile(code) else _our_tokenizer_code()
+        if code is None:
+            log(f"warning: tokenizer_config.json names {OUR_TOKENIZER_CODE}, which is neither in {src} nor "
+                "installed: the tokenizer will need the kimi-hybrid package")
+        else:
+            shutil.copyfile(code, os.path.join(dst, OUR_TOKENIZER_CODE))
+            copied.append(OUR_TOKENIZER_CODE)
     return copied
 
 
@@ -412,6 +452,11 @@ def convert_checkpoint(
     fmt = config_io.detect_format(src.config) if src_format == "auto" else src_format
     if dst_format is None:
         dst_format = "released" if fmt == "ours" else "ours"
+    if fmt == "ours" and dst_format == "ours":
+        raise ConversionError(
+            f"{src_dir} is already in kimi-hybrid's layout (config.json model_type 'kimi_hybrid') and needs no "
+            f"conversion: load it as it is (kimi-hybrid generate --model {src_dir}), or export it to the released "
+            f"layout with: kimi-hybrid-convert export {src_dir} OUT")
     try:
         ours_cfg = config_io.to_ours(src.config, fmt)
     except config_io.ConfigError as e:

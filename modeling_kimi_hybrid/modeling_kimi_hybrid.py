@@ -48,6 +48,8 @@ from .kda_kimi_hybrid import short_conv_update
 # (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
 from .norms_kimi_hybrid import KimiGatedRMSNorm, KimiRMSNorm
+from .mla_kimi_hybrid import attend_decompressed as _mla_attend_decompressed
+from .mla_kimi_hybrid import attend_latent as _mla_attend_latent
 
 __all__ = [
     "KimiHybridPreTrainedModel",
@@ -441,28 +443,6 @@ class KimiDeltaAttention(nn.Module):
 # MLA
 # ----------------------------------------------------------------------------------------------------------------
 
-_OUT_DTYPE_OK = {}
-
-
-def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` batched, result in float32. For bf16 / fp16 inputs the product is written directly in fp32 where
-    torch supports ``bmm(..., out_dtype=torch.float32)`` (CUDA, torch >= 2.8), else computed in the input dtype and
-    cast (fp32 accumulation either way, rounded once to the input dtype in the fallback)."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    key = (a.device.type, a.dtype)
-    if _compiling():  # no try/except under dynamo: use what the eager warm-up found
-        return torch.bmm(a, b, out_dtype=torch.float32) if _OUT_DTYPE_OK.get(key) else torch.bmm(a, b).float()
-    if _OUT_DTYPE_OK.get(key, True):
-        try:
-            out = torch.bmm(a, b, out_dtype=torch.float32)
-            _OUT_DTYPE_OK[key] = True
-            return out
-        except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_OK[key] = False
-    return torch.bmm(a, b).float()
-
-
 class KimiMLAttention(nn.Module):
     """NoPE Multi-head Latent Attention (DeepSeek-V2 MLA without rotary; K3 adds a low-rank query and a sigmoid output
     gate). The cache holds only ``latent = [RMSNorm(c_kv) | k_pe]`` (``kv_lora_rank + qk_rope_head_dim`` per token).
@@ -554,62 +534,18 @@ class KimiMLAttention(nn.Module):
         return out, probs
 
     def _attend_decompressed(self, q, latent, attn_mask):
-        B, T, H, _ = q.shape
-        Tk = latent.shape[1]
-        c_kv, k_pe = latent.split([self.r, self.rope], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(B, Tk, H, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, Tk, H, self.rope)], dim=-1)
-        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if attn_mask is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=self.scaling)
-        elif type(attn_mask).__name__ == "CausalBias" and qh.is_cuda and self.v_dim < self.qk_dim:
-            # chunked prefill (bottom-right causal): SDPA serves it with flash only when q, k and v share a head dim;
-            # otherwise its mem-efficient fallback at head dim 192 is ~10x slower. Pad v with zeros, slice back.
-            vp = F.pad(vh, (0, self.qk_dim - self.v_dim))
-            o = F.scaled_dot_product_attention(qh, kh, vp, attn_mask=attn_mask, scale=self.scaling)[..., :self.v_dim]
-        else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=self.scaling)
-        return o.transpose(1, 2)  # [B, T, H, v]
+        """``q [B, T, H, nope + rope]`` over the decompressed keys of ``latent [B, S, r + rope]``; one SDPA call
+        without a prefix, else key block by key block with a log-sum-exp merge (``mla_kimi_hybrid``). Returns
+        ``[B, T, H, v]``."""
+        return _mla_attend_decompressed(q, latent, self.kv_b_proj, attn_mask, num_heads=self.num_heads,
+                                        kv_lora_rank=self.r, nope=self.nope, v_dim=self.v_dim, scaling=self.scaling)
 
     def _attend_latent(self, q, latent, attn_mask):
-        """Attention in latent space (decode): ``q [B, T, H, nope + rope]``, ``latent [B, S, r + rope]`` (the cache),
-        ``attn_mask`` bool ``[B, 1, T, S]`` / a ``CausalBias`` / None. Returns ``[B, T, H, v]``.
-
-        With ``W_UK [H, nope, r]`` and ``W_UV [H, v, r]`` the two slices of ``kv_b_proj.weight``:
-        ``score[t, h, s] = <q_nope W_UK | q_pe, c_kv[s] | k_pe[s]>`` and ``out = (p @ c_kv) W_UV^T``. Because the
-        absorbed query ``[q_nope W_UK | q_pe]`` has the latent's own layout (576 values), all heads and query tokens
-        form one ``[T*H, 576] x [576, S]`` product against the cache (MQA over one shared latent "head"): the step
-        reads each cached latent once for the scores and its ``c_kv`` part once for the context, and nothing of
-        size ``S x H`` except the fp32 scores. Scores and softmax are fp32 (the product accumulates in fp32 and is
-        written in fp32 where torch supports ``out_dtype``); probabilities are cast to the latent dtype for the
-        context product, as SDPA does.
-        """
-        B, T, H, _ = q.shape
-        S = latent.shape[1]
-        r, n, dv = self.r, self.nope, self.v_dim
-        w = self.kv_b_proj.weight.view(H, n + dv, r)
-        w_uk, w_uv = w[:, :n], w[:, n:]
-        q_nope, q_pe = q.split([n, self.rope], dim=-1)
-        # absorb W_UK: per head [B*T, n] @ [n, r]
-        q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk.to(q.dtype))  # [H, B*T, r]
-        q_lat = q_lat.transpose(0, 1).reshape(B, T, H, r)
-        qf = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).reshape(B, T * H, r + self.rope)
-        scores = _bmm_fp32(qf, latent.transpose(1, 2).to(qf.dtype))  # [B, T*H, S] fp32
-        scores = scores.view(B, T, H, S).mul_(self.scaling)
-        if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":  # chunked prefill (SDPA bias object)
-            attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
-        if attn_mask is None and T > 1:
-            q_abs = torch.arange(T, device=q.device) + (S - T)
-            attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask.transpose(1, 2), float("-inf"))  # [B|1, T, 1, S]
-        p = scores.softmax(-1).to(latent.dtype).view(B, T * H, S)
-        ctx = torch.bmm(p, latent[..., :r])  # [B, T*H, r]
-        # absorb W_UV: per head [B*T, r] @ [r, v]
-        ctx = ctx.view(B * T, H, r).transpose(0, 1)
-        out = torch.bmm(ctx, w_uv.transpose(1, 2).to(ctx.dtype))  # [H, B*T, v]
-        return out.transpose(0, 1).reshape(B, T, H, dv)
+        """Attention in latent space (decode), ``mla_kimi_hybrid.attend_latent``: ``q [B, T, H, nope + rope]``,
+        ``latent [B, S, r + rope]``, ``attn_mask`` bool ``[B, 1, T, S]`` / a ``CausalBias`` / None. Returns
+        ``[B, T, H, v]``."""
+        return _mla_attend_latent(q, latent, self.kv_b_proj.weight, attn_mask, num_heads=self.num_heads,
+                                  kv_lora_rank=self.r, nope=self.nope, v_dim=self.v_dim, scaling=self.scaling)
 
 
 # ----------------------------------------------------------------------------------------------------------------
