@@ -501,7 +501,11 @@ def test_chat_says_when_the_model_has_no_chat_training(tiny_dir, tmp_path):
 
 @pytest.mark.skipif(not HAS_WEIGHTS, reason="the embedded model's weights are not in this checkout")
 def test_embedded_model_is_marked_as_not_chat_trained():
-    assert json.loads((EMBEDDED / "generation_config.json").read_text())["chat_trained"] is False
+    gen = json.loads((EMBEDDED / "generation_config.json").read_text())
+    assert gen["chat_trained"] is False
+    # model.generate users get the CLI's non-looping defaults too (greedy + repetition penalty + n-gram block)
+    assert gen["do_sample"] is False
+    assert {k: gen[k] for k in cli.DEFAULT_DECODING} == cli.DEFAULT_DECODING
 
 
 # ---------------------------------------------------------------------------------------------------------------
