@@ -49,8 +49,8 @@ ENV_DEFAULT_MODEL = "KIMI_HYBRID_DEFAULT_MODEL"
 
 # Default decoding of `generate` and `chat`: greedy with a repetition penalty and an n-gram block, the setting that
 # kept the embedded model from looping. Distinct-4-gram ratio of 200-token completions, mean (min) over six prompts
-# (examples/decoding_sweep.py, examples/results/decoding_sweep_stdlib.json): greedy 0.29 (0.03), + penalty 1.2
-# 0.78 (0.28), + 8-gram block 0.60 (0.49), both 0.90 (0.72), penalty 1.3 + 8-gram block 0.97 (0.89). An n-gram
+# (examples/decoding_sweep.py, examples/results/decoding_sweep.json): greedy 0.10 (0.025), + penalty 1.2
+# 0.70 (0.32), + 8-gram block 0.59 (0.48), both 0.90 (0.84), penalty 1.3 + 8-gram block 1.00 (0.99). An n-gram
 # block of n <= 4 would make that ratio 1.0 by construction and forbid the repeats code needs. To retune: edit these
 # two numbers, re-run the sweep.
 DEFAULT_DECODING = {"repetition_penalty": 1.2, "no_repeat_ngram_size": 8}
@@ -663,7 +663,7 @@ def _model_args(p: argparse.ArgumentParser, dtype_default: str = "auto") -> None
 
 DECODING_HELP = (
     "Decoding: greedy with --repetition-penalty {repetition_penalty} and --no-repeat-ngram-size "
-    "{no_repeat_ngram_size} by default: plain greedy decoding of the embedded model loops (over six prompts 29% of "
+    "{no_repeat_ngram_size} by default: plain greedy decoding of the embedded model loops (over six prompts 10% of "
     "the 4-grams of a 200-token completion are distinct, 90% with these defaults); --sample samples with "
     "--temperature / --top-p / --top-k instead."
 ).format(**DEFAULT_DECODING)

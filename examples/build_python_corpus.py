@@ -52,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from prepare_stdlib_corpus import list_stdlib_files  # the same walk; this corpus excludes more folders
+
 EXCLUDED_DIR_NAMES = frozenset({
     "test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages",
     "_vendor", "vendor", "vendored", "_vendored", "third_party", "_third_party",
@@ -219,13 +221,7 @@ def path_is_kept(rel: str) -> bool:
 
 def stdlib_files(root: Path) -> List[str]:
     """Sorted relative paths of the stdlib ``.py`` files kept by the exclusion rules."""
-    kept = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIR_NAMES)
-        for name in filenames:
-            if name.endswith(".py"):
-                kept.append(Path(dirpath, name).relative_to(root).as_posix())
-    return sorted(kept)
+    return list_stdlib_files(root, EXCLUDED_DIR_NAMES)
 
 
 def stdlib_module(rel: str) -> str:

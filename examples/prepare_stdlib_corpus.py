@@ -58,11 +58,12 @@ def is_heldout(module: str, seed: int, heldout_frac: float) -> bool:
     return digest % 10000 < int(round(heldout_frac * 10000))
 
 
-def list_stdlib_files(root: Path) -> list[str]:
-    """Sorted relative paths (``/``-separated) of the stdlib ``*.py`` files kept by the exclusion rules."""
+def list_stdlib_files(root: Path, excluded_dirs=EXCLUDED_DIR_NAMES) -> list[str]:
+    """Sorted relative paths (``/``-separated) of the ``*.py`` files under ``root``, skipping folders named in
+    ``excluded_dirs``."""
     kept = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIR_NAMES)
+        dirnames[:] = sorted(d for d in dirnames if d not in excluded_dirs)
         for name in filenames:
             if name.endswith(".py"):
                 kept.append(Path(dirpath, name).relative_to(root).as_posix())

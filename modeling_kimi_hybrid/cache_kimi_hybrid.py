@@ -127,6 +127,29 @@ def _static_address(t: torch.Tensor) -> None:
 # KDA layers
 # ----------------------------------------------------------------------------------------------------------------
 
+class _FixedBuffers:
+    """What a static layer refuses: its buffers have a fixed batch size and fixed addresses (torch.compile / CUDA
+    graphs), so batch changes raise NotImplementedError and offload / prefetch raise ValueError."""
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused (NotImplementedError): a static layer's batch size is fixed."""
+        raise NotImplementedError("batch_repeat_interleave changes the batch size of a static cache (fixed buffers); "
+                                  "use a dynamic cache or fork()")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused (NotImplementedError): a static layer's batch size is fixed."""
+        raise NotImplementedError("batch_select_indices changes the batch size of a static cache (fixed buffers); "
+                                  "use a dynamic cache")
+
+    def offload(self) -> None:
+        """Refused (ValueError): static buffers keep fixed addresses."""
+        raise ValueError(_NO_STATIC_OFFLOAD)
+
+    def prefetch(self) -> None:
+        """Refused (ValueError): static buffers keep fixed addresses."""
+        raise ValueError(_NO_STATIC_OFFLOAD)
+
+
 class KDALayer(LinearAttentionCacheLayerMixin):
     """Cache of one KDA layer (transformers' linear-attention layer API, one state: ``state_idx`` 0).
 
@@ -358,7 +381,7 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         self.recurrent_state = state.clone()
 
 
-class StaticKDALayer(KDALayer):
+class StaticKDALayer(_FixedBuffers, KDALayer):
     """:class:`KDALayer` with both states pre-allocated (:meth:`allocate`, or transformers' lazy initialisation at
     the first update) and written in place, so their addresses never change (torch.compile / CUDA graphs). Zeroed
     buffers are the "no state yet" state; the batch size is fixed."""
@@ -410,23 +433,6 @@ class StaticKDALayer(KDALayer):
         self.has_previous_state[0] = False
         self.record = None
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Refused (NotImplementedError): a static layer's batch size is fixed."""
-        raise NotImplementedError("batch_repeat_interleave changes the batch size of a static cache (fixed buffers); "
-                                  "use a dynamic cache or fork()")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Refused (NotImplementedError): a static layer's batch size is fixed."""
-        raise NotImplementedError("batch_select_indices changes the batch size of a static cache (fixed buffers); "
-                                  "use a dynamic cache")
-
-    def offload(self) -> None:
-        """Refused (ValueError): static buffers keep fixed addresses."""
-        raise ValueError(_NO_STATIC_OFFLOAD)
-
-    def prefetch(self) -> None:
-        """Refused (ValueError): static buffers keep fixed addresses."""
-        raise ValueError(_NO_STATIC_OFFLOAD)
 
 
 _NO_STATIC_OFFLOAD = ("a static KimiHybridCache keeps its buffers at fixed addresses (torch.compile / CUDA graphs); "
@@ -581,7 +587,7 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
             self.keys = self.keys.to(self.device)
 
 
-class StaticMLALayer(MLALayerMixin, StaticLayer):
+class StaticMLALayer(_FixedBuffers, MLALayerMixin, StaticLayer):
     """Cache of one MLA layer, pre-allocated: ``latent [B, max_cache_len, Dl]`` (``keys``; ``values`` stays
     ``None``), written in place at the positions of ``cumulative_length``, which is the container's device counter
     itself (shared, never advanced here: the container advances it once per forward). Rows past the length are
@@ -623,23 +629,6 @@ class StaticMLALayer(MLALayerMixin, StaticLayer):
         if self.keys is not None:
             self.keys.zero_()
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Refused (NotImplementedError): a static layer's batch size is fixed."""
-        raise NotImplementedError("batch_repeat_interleave changes the batch size of a static cache (fixed buffers); "
-                                  "use a dynamic cache or fork()")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Refused (NotImplementedError): a static layer's batch size is fixed."""
-        raise NotImplementedError("batch_select_indices changes the batch size of a static cache (fixed buffers); "
-                                  "use a dynamic cache")
-
-    def offload(self) -> None:
-        """Refused (ValueError): static buffers keep fixed addresses."""
-        raise ValueError(_NO_STATIC_OFFLOAD)
-
-    def prefetch(self) -> None:
-        """Refused (ValueError): static buffers keep fixed addresses."""
-        raise ValueError(_NO_STATIC_OFFLOAD)
 
 
 # the names the per-layer classes had before they were built on transformers' layer API (isinstance checks)
