@@ -622,21 +622,48 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _check_writable(path: str, option: str) -> None:
+    """Raise SystemExit (one line) if ``path`` cannot be written: a missing or unwritable parent folder, or a path
+    that is a folder. Checked before any output is printed."""
+    target = Path(path).expanduser()
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise SystemExit(f"kimi-hybrid: cannot write {path} ({option}): it is a folder; give a file name")
+    if not parent.is_dir():
+        raise SystemExit(f"kimi-hybrid: cannot write {path} ({option}): no such folder {parent}; create it first")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise SystemExit(f"kimi-hybrid: cannot write {path} ({option}): permission denied")
+
+
 def cmd_memory(args) -> int:
     from kimi_hybrid.app import memory
 
     try:
         gpu = memory.parse_size(args.gpu_mem)
         reserve = memory.parse_size(args.reserve)
+        # output paths and the plot's matplotlib are checked before the table is printed
+        if args.json:
+            _check_writable(args.json, "--json")
+        if args.plot:
+            _check_writable(args.plot, "--plot")
+            memory.require_matplotlib()
         config = memory.load_config(preset=args.preset, config=args.config, model=args.model)
         name = args.preset or str(args.config or args.model)
         plan = memory.make_plan(config, name, gpu, args.context, weights_dtype=args.weights_dtype,
                                 cache_dtype=args.cache_dtype, reserve_bytes=reserve)
         print(memory.format_plan(plan), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
+            try:
+                Path(args.json).expanduser().write_text(json.dumps(plan.to_dict(), indent=2) + "\n",
+                                                        encoding="utf-8")
+            except OSError as e:
+                raise SystemExit(f"kimi-hybrid: cannot write {args.json}: {_first_line(e)}") from None
         if args.plot:
-            memory.plot_plan(plan, args.plot, max_context=max(args.plot_max_context, 1024))
+            try:
+                memory.plot_plan(plan, str(Path(args.plot).expanduser()),
+                                 max_context=max(args.plot_max_context, 1024))
+            except OSError as e:
+                raise SystemExit(f"kimi-hybrid: cannot write {args.plot}: {_first_line(e)}") from None
             print(f"kimi-hybrid: wrote {args.plot}", file=sys.stderr)
     except memory.PlanError as e:
         raise SystemExit(f"kimi-hybrid: {e}") from None
@@ -723,8 +750,38 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose errors (an option value of the wrong type, a missing or unknown option) follow the
+    CLI's rule for user errors: one line ``kimi-hybrid: <message> (see <prog> --help)`` and exit status 1, instead
+    of argparse's usage block and status 2. ``add_subparsers`` builds the subcommand parsers with this class too."""
+
+    def error(self, message: str):
+        raise SystemExit(f"kimi-hybrid: {message} (see {self.prog} --help)")
+
+
+def _join_negative_values(argv: List[str]) -> List[str]:
+    """``--opt -5GB`` -> ``--opt=-5GB``: argparse reads a value starting with ``-`` that is not a plain number
+    (``-5GB``, ``-1e3``) as an option and reports "expected one argument"; joined, the value reaches the option's
+    own check, which says what is wrong with it (e.g. a size must be positive). Only ``--long`` options without
+    ``=`` followed by a token of the form ``-<digit>...`` or ``-.<digit>...`` are joined."""
+    import re
+
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if (tok.startswith("--") and "=" not in tok and i + 1 < len(argv)
+                and re.match(r"-\.?[0-9]", argv[i + 1])):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kimi-hybrid", description="Generate and chat with KimiHybrid models (KDA + MLA + MoE), export them, "
         "and plan their cache memory.", epilog=DECODING_HELP)
     parser.add_argument("--version", action=_VersionAction, help="print the versions and exit")
@@ -830,7 +887,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     check_args(args)
     try:
         return int(args.func(args) or 0)

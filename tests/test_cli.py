@@ -606,3 +606,38 @@ def test_token_healing_keeps_whitespace_tails(tokenizer):
     except KeyError:  # transformers 5.23: the tail's own token is not among the extensions it looked up
         theirs = in_ids
     assert theirs == in_ids  # ' in' is not healed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argparse errors follow the one-line rule
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--max-new-tokens", "abc"],
+     "kimi-hybrid: argument --max-new-tokens: invalid int value: 'abc' (see kimi-hybrid generate --help)"),
+    (["memory", "--context", "1.5"],
+     "kimi-hybrid: argument --context: invalid int value: '1.5' (see kimi-hybrid memory --help)"),
+    (["export"], "kimi-hybrid: the following arguments are required: --out (see kimi-hybrid export --help)"),
+    (["chat", "--no-such-option"], "kimi-hybrid: unrecognized arguments: --no-such-option (see kimi-hybrid --help)"),
+])
+def test_argparse_errors_are_one_line_exit_1(argv, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == expected  # SystemExit(str) prints it on stderr and exits with status 1
+    assert capsys.readouterr().err == ""  # no usage block
+
+
+def test_argparse_error_subprocess_exit_status():
+    r = run_cli("generate", "--max-new-tokens", "abc", timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "kimi-hybrid: argument --max-new-tokens: invalid int value: 'abc' (see kimi-hybrid generate --help)"]
+
+
+def test_negative_values_reach_the_option_checks():
+    """``--opt -5GB`` is joined to ``--opt=-5GB`` so that the option's own check answers; plain negative numbers
+    and other tokens are left as they are."""
+    assert cli._join_negative_values(["memory", "--gpu-mem", "-5GB", "--context", "8"]) == [
+        "memory", "--gpu-mem=-5GB", "--context", "8"]
+    assert cli._join_negative_values(["--top-k", "-1", "--sample", "--prompt", "x"]) == [
+        "--top-k=-1", "--sample", "--prompt", "x"]
+    assert cli._join_negative_values(["--prompt", "-x", "-h"]) == ["--prompt", "-x", "-h"]
