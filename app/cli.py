@@ -163,7 +163,7 @@ def pick_dtype(name: str, device: str, model: Optional[str] = None):
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16}[name]
     except KeyError:
-        raise SystemExit(f"kimi-hybrid: unknown --dtype {name!r}") from None
+        raise SystemExit(f"kimi-hybrid: unknown --dtype {name!r}; use one of {DTYPE_CHOICES}") from None
 
 
 def _read_tokenizer_class(model: str) -> Optional[str]:
@@ -215,6 +215,24 @@ def load_config(model: str, trust_remote_code: bool = False):
         raise SystemExit(f"kimi-hybrid: cannot read the config of {model}: {_first_line(e)}") from None
 
 
+def broken_weights_file(model: str) -> Optional[Path]:
+    """The first ``*.safetensors`` file of a local folder ``model`` that safetensors cannot open (a truncated file,
+    a destroyed header), in name order; None when every file opens or ``model`` is not a folder. Opening reads
+    only the header and checks it against the file size: no tensor data is read."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError, ValueError):
+            return path
+    return None
+
+
 def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: bool = False):
     """Load ``(model, tokenizer)``; the model is put in eval mode on ``device`` in ``dtype``.
 
@@ -247,8 +265,10 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
         lm = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype,
                                                   trust_remote_code=trust_remote_code)
     except SafetensorError as e:
-        raise SystemExit(f"kimi-hybrid: the weights in {model} cannot be read ({_first_line(e)}): the file is "
-                         "truncated or corrupt; download or convert it again") from None
+        broken = broken_weights_file(model)
+        where = f"{broken} cannot be read" if broken else f"the weights in {model} cannot be read"
+        raise SystemExit(f"kimi-hybrid: {where} ({_first_line(e)}): the file is truncated or corrupt; download or "
+                         "convert it again") from None
     except OSError as e:
         if _is_hub_id(model):
             raise _hub_unreachable(model, e) from None
@@ -471,13 +491,31 @@ def print_report(cache, args, out=None) -> None:
     out.flush()
 
 
+def read_prompt(args, stdin=None, err=None) -> str:
+    """The prompt of ``generate``: ``--prompt``, else all of stdin. When stdin is a terminal, one stderr line says
+    that the prompt is read from it (end it with Ctrl-D). Raises SystemExit (one line) for an empty or
+    whitespace-only prompt: the model would only continue its start-of-text token."""
+    stdin = stdin or sys.stdin
+    err = err or sys.stderr
+    prompt = args.prompt
+    source = "--prompt"
+    if prompt is None:
+        source = "stdin"
+        if stdin.isatty():
+            print("kimi-hybrid: reading the prompt from stdin (end it with Ctrl-D, or pass --prompt TEXT)",
+                  file=err, flush=True)
+        prompt = stdin.read()
+    if not prompt.strip():
+        raise SystemExit(f"kimi-hybrid: the prompt is empty ({source}); pass --prompt TEXT or pipe text into "
+                         "kimi-hybrid generate")
+    return prompt
+
+
 def cmd_generate(args) -> int:
     import torch
 
+    prompt = read_prompt(args)  # before loading: an empty prompt is refused at once
     model, tokenizer = _load(args)
-    prompt = args.prompt
-    if prompt is None:
-        prompt = sys.stdin.read()
     ids = tokenizer(prompt).input_ids
     healing = None
     if not ids:
@@ -674,6 +712,7 @@ def cmd_memory(args) -> int:
 # argument parsing
 # ---------------------------------------------------------------------------------------------------------------
 
+DTYPE_CHOICES = "auto, stored, float32 (fp32), bfloat16 (bf16), float16 (fp16)"
 DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), stored (the dtype the checkpoint was saved in), float32, bfloat16, " \
              "float16"
 

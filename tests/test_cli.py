@@ -520,7 +520,7 @@ def test_truncated_weights_exit_with_a_message(tiny_dir, tmp_path):
     w = bad / "model.safetensors"
     os.truncate(w, w.stat().st_size // 2)
     r = run_cli("generate", "--model", str(bad), "--prompt", "x", "--device", "cpu", timeout=120)
-    assert_one_line_error(r, f"kimi-hybrid: the weights in {bad} cannot be read")
+    assert_one_line_error(r, f"kimi-hybrid: {w} cannot be read")
     assert "truncated or corrupt" in r.stderr
 
 
@@ -530,7 +530,7 @@ def test_corrupt_weights_exit_with_a_message(tiny_dir, tmp_path):
         f.write(b"\xff" * 16)  # header length and JSON destroyed
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--model", str(bad), "--prompt", "x", "--device", "cpu"])
-    assert str(e.value.code).startswith(f"kimi-hybrid: the weights in {bad} cannot be read (")
+    assert str(e.value.code).startswith(f"kimi-hybrid: {bad / 'model.safetensors'} cannot be read (")
     assert "\n" not in str(e.value.code)
 
 
@@ -641,3 +641,63 @@ def test_negative_values_reach_the_option_checks():
     assert cli._join_negative_values(["--top-k", "-1", "--sample", "--prompt", "x"]) == [
         "--top-k=-1", "--sample", "--prompt", "x"]
     assert cli._join_negative_values(["--prompt", "-x", "-h"]) == ["--prompt", "-x", "-h"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompt, dtype and broken-weights messages
+# ---------------------------------------------------------------------------------------------------------------
+
+class _FakeStdin:
+    def __init__(self, text: str, tty: bool):
+        self.text, self.tty = text, tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def read(self) -> str:
+        return self.text
+
+
+def test_prompt_from_a_terminal_says_so_and_empty_prompts_are_refused():
+    import io
+
+    args = cli.build_parser().parse_args(["generate"])
+    err = io.StringIO()
+    assert cli.read_prompt(args, _FakeStdin("def f(x):", tty=True), err) == "def f(x):"
+    assert err.getvalue() == ("kimi-hybrid: reading the prompt from stdin (end it with Ctrl-D, or pass --prompt "
+                              "TEXT)\n")
+    err = io.StringIO()
+    assert cli.read_prompt(args, _FakeStdin("x = 1", tty=False), err) == "x = 1" and err.getvalue() == ""
+    with pytest.raises(SystemExit) as e:
+        cli.read_prompt(args, _FakeStdin("  \n", tty=False), io.StringIO())
+    assert e.value.code == ("kimi-hybrid: the prompt is empty (stdin); pass --prompt TEXT or pipe text into "
+                            "kimi-hybrid generate")
+
+
+def test_empty_prompt_is_refused_before_loading():
+    r = run_cli("generate", "--model", "/nonexistent", "--prompt", "", timeout=60)  # refused before the model
+    assert_one_line_error(r, "kimi-hybrid: the prompt is empty (--prompt); pass --prompt TEXT")
+
+
+def test_unknown_dtype_lists_the_valid_values():
+    with pytest.raises(SystemExit) as e:
+        cli.pick_dtype("int8", "cpu")
+    assert e.value.code == ("kimi-hybrid: unknown --dtype 'int8'; use one of auto, stored, float32 (fp32), "
+                            "bfloat16 (bf16), float16 (fp16)")
+
+
+def test_broken_weights_message_names_the_file(tiny_dir, tmp_path):
+    """Of a sharded folder, the one truncated shard is named (not only the folder)."""
+    model = KimiHybridForCausalLM.from_pretrained(str(tiny_dir))
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="2MB")
+    KimiHybridTokenizer.from_pretrained(str(tiny_dir)).save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    assert cli.broken_weights_file(str(sharded)) is None
+    os.truncate(shards[1], shards[1].stat().st_size - 100)
+    assert cli.broken_weights_file(str(sharded)) == shards[1]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(sharded), "--prompt", "x", "--device", "cpu"])
+    assert str(e.value.code).startswith(f"kimi-hybrid: {shards[1]} cannot be read (")
+    assert str(e.value.code).endswith("the file is truncated or corrupt; download or convert it again")
