@@ -617,9 +617,36 @@ def _load(args):
     return load_model_and_tokenizer(path, device, dtype, args.trust_remote_code)
 
 
+def check_export_out(out: str, model: str, overwrite: bool = False) -> None:
+    """Refuse an ``export --out`` folder before anything is loaded or written (SystemExit, one line): the source
+    model folder itself, a folder inside it or one that contains it (writing would delete the source's weights),
+    a path that is a file, and a non-empty folder that is not a previous export unless ``overwrite``. A previous
+    export (:func:`kimi_hybrid.app.hub.is_hub_folder`) is written over: its old weights are removed first."""
+    from kimi_hybrid.app import hub
+
+    target = Path(out).expanduser().resolve()
+    source = Path(model).expanduser()
+    if source.is_dir():
+        source = source.resolve()
+        if target == source:
+            raise SystemExit(f"kimi-hybrid: --out {out} is the model folder itself; export to another folder")
+        if source in target.parents:
+            raise SystemExit(f"kimi-hybrid: --out {out} is inside the model folder {source}; export to a folder "
+                             "outside it")
+        if target in source.parents:
+            raise SystemExit(f"kimi-hybrid: --out {out} contains the model folder {source}; export to a folder "
+                             "that does not")
+    if target.exists() and not target.is_dir():
+        raise SystemExit(f"kimi-hybrid: --out {out} is a file; give a folder")
+    if target.is_dir() and any(target.iterdir()) and not hub.is_hub_folder(target) and not overwrite:
+        raise SystemExit(f"kimi-hybrid: --out {out} is not empty and is not a previous export; choose an empty or "
+                         "new folder, or pass --overwrite to write into it")
+
+
 def cmd_export(args) -> int:
     from kimi_hybrid.app import hub
 
+    check_export_out(args.out, resolve_model(args.model), args.overwrite)
     model, tokenizer = _load(args)
     try:
         folder = hub.prepare_hub_folder(model, tokenizer, args.out, repo_id=args.repo_id)
@@ -845,7 +872,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
     e = sub.add_parser("export", help="write a self-contained Hub folder (code, weights, tokenizer, card)")
-    e.add_argument("--out", required=True)
+    e.add_argument("--out", required=True,
+                   help="folder to write (created if needed); it must be new, empty or a previous export, and not "
+                        "the model folder")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that is not a previous export (files of the same names are "
+                        "replaced, old weights removed)")
     e.add_argument("--repo-id", default=None, help="name used in the model card")
     _model_args(e, dtype_default="stored")
     e.set_defaults(func=cmd_export)

@@ -701,3 +701,56 @@ def test_broken_weights_message_names_the_file(tiny_dir, tmp_path):
         cli.main(["generate", "--model", str(sharded), "--prompt", "x", "--device", "cpu"])
     assert str(e.value.code).startswith(f"kimi-hybrid: {shards[1]} cannot be read (")
     assert str(e.value.code).endswith("the file is truncated or corrupt; download or convert it again")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export: where it may write
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_export_refuses_the_model_folder_and_foreign_folders(tiny_dir, tmp_path, capsys):
+    src = copy_folder(tiny_dir, tmp_path / "src")
+    before = sorted((p.name, p.stat().st_size) for p in src.iterdir())
+    cases = [
+        (str(src), f"kimi-hybrid: --out {src} is the model folder itself; export to another folder"),
+        (str(src / "sub"), f"kimi-hybrid: --out {src / 'sub'} is inside the model folder {src.resolve()}"),
+        (str(tmp_path), f"kimi-hybrid: --out {tmp_path} contains the model folder {src.resolve()}"),
+    ]
+    for out, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", "--model", str(src), "--out", out, "--device", "cpu"])
+        assert str(e.value.code).startswith(expected), e.value.code
+    assert sorted((p.name, p.stat().st_size) for p in src.iterdir()) == before  # untouched
+    assert "loading" not in capsys.readouterr().err  # refused before loading
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--model", str(src), "--out", str(foreign), "--device", "cpu"])
+    assert e.value.code == (f"kimi-hybrid: --out {foreign} is not empty and is not a previous export; choose an "
+                            "empty or new folder, or pass --overwrite to write into it")
+    assert cli.main(["export", "--model", str(src), "--out", str(foreign), "--device", "cpu", "--overwrite"]) == 0
+    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "model.safetensors").is_file()
+    # a previous export is written over without --overwrite
+    assert cli.main(["export", "--model", str(src), "--out", str(foreign), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out OUT folder to write (created if needed)" in text and "--overwrite write into a non-empty" in text
+
+
+@pytest.mark.skipif(not HAS_WEIGHTS, reason="the embedded model's weights are not in this checkout")
+def test_exported_embedded_card_describes_the_export(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(cli.ENV_DEFAULT_MODEL, raising=False)
+    out = tmp_path / "export"
+    assert cli.main(["export", "--out", str(out), "--device", "cpu"]) == 0
+    card = (out / "README.md").read_text()
+    assert "the code is not in this folder" not in card and "4 shards" not in card
+    assert 'from_pretrained("models/kimi-hybrid-stdlib")' not in card
+    assert 'AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)' in card
+    assert f"safetensors in one file `model.safetensors` of {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB" \
+        in card
+    for name in ("train_metrics.json", "samples.txt", "python_corpus_manifest.json.gz", "corpus_manifest.json"):
+        assert f"`{name}`" in card and (out / name).read_bytes() == (EMBEDDED / name).read_bytes(), name
