@@ -7,7 +7,8 @@ Subcommands:
   end of input ends it), rendered with the tokenizer's chat template;
 * ``export --out DIR`` / ``push --repo-id NAME``: write a self-contained Hub folder (bundle code, weights,
   tokenizer, model card) / upload it (see :mod:`kimi_hybrid.app.hub`); by default the weights keep the dtype the
-  source checkpoint was saved in (``--dtype stored``).
+  source checkpoint was saved in (``--dtype stored``). ``--out`` may not be the model folder (nor inside it or
+  contain it); a non-empty folder that is not a previous export needs ``--overwrite``.
 
 * ``memory``: the cache memory planner (:mod:`kimi_hybrid.app.memory`): cache bytes per token and per sequence,
   the largest context and batch on a GPU of a given size, compared with all-MLA and plain-MHA caches, and a plot.
@@ -20,7 +21,8 @@ re-spell its text, so ``"def f(x):"`` continues as if the prompt had been ``"def
 
 Option values are checked before anything is loaded; user errors (an out-of-range option, no CUDA for
 ``--device cuda``, an invalid config.json, a truncated or corrupt weights file, a Hub id that cannot be reached,
-``push`` without network) end with a one-line ``kimi-hybrid: ...`` message and exit status 1
+``push`` without network, an option value argparse rejects, an output path that cannot be written, an empty
+prompt) end with a one-line ``kimi-hybrid: ...`` message and exit status 1
 (``KIMI_HYBRID_DEBUG=1`` shows the traceback instead).
 
 The default model is the embedded one, ``models/kimi-hybrid-stdlib`` next to the sources (a ~14M-parameter 3:1
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple

@@ -9,7 +9,12 @@
 * the tokenizer files (``tiktoken.model`` and ``tokenizer_config.json`` with its own ``auto_map`` and the
   special-token names);
 * a model card ``README.md`` (Hub metadata + architecture + usage), unless one is given or found next to the
-  source weights; either way it states the pip line the folder needs (``tiktoken`` included).
+  source weights (then :func:`export_card` makes it true for the folder: code shipped, weights layout written,
+  ``trust_remote_code`` usage, the side files it names copied); either way it states the pip line the folder
+  needs (``tiktoken`` included).
+
+Writing over an earlier export removes its weights first (no stale shard index); written files get the mode of a
+plain new file.
 
 :func:`push` prepares such a folder in a temporary directory, checks it with :func:`missing_files`, and uploads it
 with ``huggingface_hub.HfApi.create_repo`` + ``upload_folder``.
