@@ -7,7 +7,8 @@ Subcommands:
   end of input ends it), rendered with the tokenizer's chat template;
 * ``export --out DIR`` / ``push --repo-id NAME``: write a self-contained Hub folder (bundle code, weights,
   tokenizer, model card) / upload it (see :mod:`kimi_hybrid.app.hub`); by default the weights keep the dtype the
-  source checkpoint was saved in (``--dtype stored``).
+  source checkpoint was saved in (``--dtype stored``). ``--out`` may not be the model folder (nor inside it or
+  contain it); a non-empty folder that is not a previous export needs ``--overwrite``.
 
 * ``memory``: the cache memory planner (:mod:`kimi_hybrid.app.memory`): cache bytes per token and per sequence,
   the largest context and batch on a GPU of a given size, compared with all-MLA and plain-MHA caches, and a plot.
@@ -20,7 +21,8 @@ re-spell its text, so ``"def f(x):"`` continues as if the prompt had been ``"def
 
 Option values are checked before anything is loaded; user errors (an out-of-range option, no CUDA for
 ``--device cuda``, an invalid config.json, a truncated or corrupt weights file, a Hub id that cannot be reached,
-``push`` without network) end with a one-line ``kimi-hybrid: ...`` message and exit status 1
+``push`` without network, an option value argparse rejects, an output path that cannot be written, an empty
+prompt) end with a one-line ``kimi-hybrid: ...`` message and exit status 1
 (``KIMI_HYBRID_DEBUG=1`` shows the traceback instead).
 
 The default model is the embedded one, ``models/kimi-hybrid-stdlib`` next to the sources (a ~14M-parameter 3:1
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -163,7 +166,7 @@ def pick_dtype(name: str, device: str, model: Optional[str] = None):
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16}[name]
     except KeyError:
-        raise SystemExit(f"kimi-hybrid: unknown --dtype {name!r}") from None
+        raise SystemExit(f"kimi-hybrid: unknown --dtype {name!r}; use one of {DTYPE_CHOICES}") from None
 
 
 def _read_tokenizer_class(model: str) -> Optional[str]:
@@ -215,6 +218,24 @@ def load_config(model: str, trust_remote_code: bool = False):
         raise SystemExit(f"kimi-hybrid: cannot read the config of {model}: {_first_line(e)}") from None
 
 
+def broken_weights_file(model: str) -> Optional[Path]:
+    """The first ``*.safetensors`` file of a local folder ``model`` that safetensors cannot open (a truncated file,
+    a destroyed header), in name order; None when every file opens or ``model`` is not a folder. Opening reads
+    only the header and checks it against the file size: no tensor data is read."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError, ValueError):
+            return path
+    return None
+
+
 def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: bool = False):
     """Load ``(model, tokenizer)``; the model is put in eval mode on ``device`` in ``dtype``.
 
@@ -247,8 +268,10 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
         lm = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype,
                                                   trust_remote_code=trust_remote_code)
     except SafetensorError as e:
-        raise SystemExit(f"kimi-hybrid: the weights in {model} cannot be read ({_first_line(e)}): the file is "
-                         "truncated or corrupt; download or convert it again") from None
+        broken = broken_weights_file(model)
+        where = f"{broken} cannot be read" if broken else f"the weights in {model} cannot be read"
+        raise SystemExit(f"kimi-hybrid: {where} ({_first_line(e)}): the file is truncated or corrupt; download or "
+                         "convert it again") from None
     except OSError as e:
         if _is_hub_id(model):
             raise _hub_unreachable(model, e) from None
@@ -471,13 +494,31 @@ def print_report(cache, args, out=None) -> None:
     out.flush()
 
 
+def read_prompt(args, stdin=None, err=None) -> str:
+    """The prompt of ``generate``: ``--prompt``, else all of stdin. When stdin is a terminal, one stderr line says
+    that the prompt is read from it (end it with Ctrl-D). Raises SystemExit (one line) for an empty or
+    whitespace-only prompt: the model would only continue its start-of-text token."""
+    stdin = stdin or sys.stdin
+    err = err or sys.stderr
+    prompt = args.prompt
+    source = "--prompt"
+    if prompt is None:
+        source = "stdin"
+        if stdin.isatty():
+            print("kimi-hybrid: reading the prompt from stdin (end it with Ctrl-D, or pass --prompt TEXT)",
+                  file=err, flush=True)
+        prompt = stdin.read()
+    if not prompt.strip():
+        raise SystemExit(f"kimi-hybrid: the prompt is empty ({source}); pass --prompt TEXT or pipe text into "
+                         "kimi-hybrid generate")
+    return prompt
+
+
 def cmd_generate(args) -> int:
     import torch
 
+    prompt = read_prompt(args)  # before loading: an empty prompt is refused at once
     model, tokenizer = _load(args)
-    prompt = args.prompt
-    if prompt is None:
-        prompt = sys.stdin.read()
     ids = tokenizer(prompt).input_ids
     healing = None
     if not ids:
@@ -579,9 +620,36 @@ def _load(args):
     return load_model_and_tokenizer(path, device, dtype, args.trust_remote_code)
 
 
+def check_export_out(out: str, model: str, overwrite: bool = False) -> None:
+    """Refuse an ``export --out`` folder before anything is loaded or written (SystemExit, one line): the source
+    model folder itself, a folder inside it or one that contains it (writing would delete the source's weights),
+    a path that is a file, and a non-empty folder that is not a previous export unless ``overwrite``. A previous
+    export (:func:`kimi_hybrid.app.hub.is_hub_folder`) is written over: its old weights are removed first."""
+    from kimi_hybrid.app import hub
+
+    target = Path(out).expanduser().resolve()
+    source = Path(model).expanduser()
+    if source.is_dir():
+        source = source.resolve()
+        if target == source:
+            raise SystemExit(f"kimi-hybrid: --out {out} is the model folder itself; export to another folder")
+        if source in target.parents:
+            raise SystemExit(f"kimi-hybrid: --out {out} is inside the model folder {source}; export to a folder "
+                             "outside it")
+        if target in source.parents:
+            raise SystemExit(f"kimi-hybrid: --out {out} contains the model folder {source}; export to a folder "
+                             "that does not")
+    if target.exists() and not target.is_dir():
+        raise SystemExit(f"kimi-hybrid: --out {out} is a file; give a folder")
+    if target.is_dir() and any(target.iterdir()) and not hub.is_hub_folder(target) and not overwrite:
+        raise SystemExit(f"kimi-hybrid: --out {out} is not empty and is not a previous export; choose an empty or "
+                         "new folder, or pass --overwrite to write into it")
+
+
 def cmd_export(args) -> int:
     from kimi_hybrid.app import hub
 
+    check_export_out(args.out, resolve_model(args.model), args.overwrite)
     model, tokenizer = _load(args)
     try:
         folder = hub.prepare_hub_folder(model, tokenizer, args.out, repo_id=args.repo_id)
@@ -622,21 +690,48 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _check_writable(path: str, option: str) -> None:
+    """Raise SystemExit (one line) if ``path`` cannot be written: a missing or unwritable parent folder, or a path
+    that is a folder. Checked before any output is printed."""
+    target = Path(path).expanduser()
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise SystemExit(f"kimi-hybrid: cannot write {path} ({option}): it is a folder; give a file name")
+    if not parent.is_dir():
+        raise SystemExit(f"kimi-hybrid: cannot write {path} ({option}): no such folder {parent}; create it first")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise SystemExit(f"kimi-hybrid: cannot write {path} ({option}): permission denied")
+
+
 def cmd_memory(args) -> int:
     from kimi_hybrid.app import memory
 
     try:
         gpu = memory.parse_size(args.gpu_mem)
         reserve = memory.parse_size(args.reserve)
+        # output paths and the plot's matplotlib are checked before the table is printed
+        if args.json:
+            _check_writable(args.json, "--json")
+        if args.plot:
+            _check_writable(args.plot, "--plot")
+            memory.require_matplotlib()
         config = memory.load_config(preset=args.preset, config=args.config, model=args.model)
         name = args.preset or str(args.config or args.model)
         plan = memory.make_plan(config, name, gpu, args.context, weights_dtype=args.weights_dtype,
                                 cache_dtype=args.cache_dtype, reserve_bytes=reserve)
         print(memory.format_plan(plan), flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
+            try:
+                Path(args.json).expanduser().write_text(json.dumps(plan.to_dict(), indent=2) + "\n",
+                                                        encoding="utf-8")
+            except OSError as e:
+                raise SystemExit(f"kimi-hybrid: cannot write {args.json}: {_first_line(e)}") from None
         if args.plot:
-            memory.plot_plan(plan, args.plot, max_context=max(args.plot_max_context, 1024))
+            try:
+                memory.plot_plan(plan, str(Path(args.plot).expanduser()),
+                                 max_context=max(args.plot_max_context, 1024))
+            except OSError as e:
+                raise SystemExit(f"kimi-hybrid: cannot write {args.plot}: {_first_line(e)}") from None
             print(f"kimi-hybrid: wrote {args.plot}", file=sys.stderr)
     except memory.PlanError as e:
         raise SystemExit(f"kimi-hybrid: {e}") from None
@@ -647,6 +742,7 @@ def cmd_memory(args) -> int:
 # argument parsing
 # ---------------------------------------------------------------------------------------------------------------
 
+DTYPE_CHOICES = "auto, stored, float32 (fp32), bfloat16 (bf16), float16 (fp16)"
 DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), stored (the dtype the checkpoint was saved in), float32, bfloat16, " \
              "float16"
 
@@ -723,8 +819,38 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose errors (an option value of the wrong type, a missing or unknown option) follow the
+    CLI's rule for user errors: one line ``kimi-hybrid: <message> (see <prog> --help)`` and exit status 1, instead
+    of argparse's usage block and status 2. ``add_subparsers`` builds the subcommand parsers with this class too."""
+
+    def error(self, message: str):
+        raise SystemExit(f"kimi-hybrid: {message} (see {self.prog} --help)")
+
+
+def _join_negative_values(argv: List[str]) -> List[str]:
+    """``--opt -5GB`` -> ``--opt=-5GB``: argparse reads a value starting with ``-`` that is not a plain number
+    (``-5GB``, ``-1e3``) as an option and reports "expected one argument"; joined, the value reaches the option's
+    own check, which says what is wrong with it (e.g. a size must be positive). Only ``--long`` options without
+    ``=`` followed by a token of the form ``-<digit>...`` or ``-.<digit>...`` are joined."""
+    import re
+
+    out: List[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if (tok.startswith("--") and "=" not in tok and i + 1 < len(argv)
+                and re.match(r"-\.?[0-9]", argv[i + 1])):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kimi-hybrid", description="Generate and chat with KimiHybrid models (KDA + MLA + MoE), export them, "
         "and plan their cache memory.", epilog=DECODING_HELP)
     parser.add_argument("--version", action=_VersionAction, help="print the versions and exit")
@@ -749,7 +875,12 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
     e = sub.add_parser("export", help="write a self-contained Hub folder (code, weights, tokenizer, card)")
-    e.add_argument("--out", required=True)
+    e.add_argument("--out", required=True,
+                   help="folder to write (created if needed); it must be new, empty or a previous export, and not "
+                        "the model folder")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out that is not a previous export (files of the same names are "
+                        "replaced, old weights removed)")
     e.add_argument("--repo-id", default=None, help="name used in the model card")
     _model_args(e, dtype_default="stored")
     e.set_defaults(func=cmd_export)
@@ -830,7 +961,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
     check_args(args)
     try:
         return int(args.func(args) or 0)

@@ -9,7 +9,12 @@
 * the tokenizer files (``tiktoken.model`` and ``tokenizer_config.json`` with its own ``auto_map`` and the
   special-token names);
 * a model card ``README.md`` (Hub metadata + architecture + usage), unless one is given or found next to the
-  source weights; either way it states the pip line the folder needs (``tiktoken`` included).
+  source weights (then :func:`export_card` makes it true for the folder: code shipped, weights layout written,
+  ``trust_remote_code`` usage, the side files it names copied); either way it states the pip line the folder
+  needs (``tiktoken`` included).
+
+Writing over an earlier export removes its weights first (no stale shard index); written files get the mode of a
+plain new file.
 
 :func:`push` prepares such a folder in a temporary directory, checks it with :func:`missing_files`, and uploads it
 with ``huggingface_hub.HfApi.create_repo`` + ``upload_folder``.
@@ -19,7 +24,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import re
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -169,6 +178,95 @@ With the `kimi-hybrid` package installed: `kimi-hybrid generate --model {name} -
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n{body}"))
 
 
+WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json")
+
+
+def is_hub_folder(folder: Union[str, Path]) -> bool:
+    """True when ``folder`` holds a previous export (its config.json has our ``auto_map`` and the bundle's
+    modeling file is there): such a folder may be written over without ``--overwrite``."""
+    folder = Path(folder)
+    try:
+        amap = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return amap.get("AutoModelForCausalLM") == AUTO_MAP.get("AutoModelForCausalLM") and all(
+        (folder / name).is_file() for name in BUNDLE_REQUIRED)
+
+
+def describe_weights(folder: Union[str, Path]) -> str:
+    """How the weights of ``folder`` are stored, for a model card: ``"in one file `model.safetensors` of 55.2 MB"``
+    or ``"in 4 shards of 55.2 MB in all (index `model.safetensors.index.json`)"`` (MB = 10^6 bytes)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        size = sum((folder / s).stat().st_size for s in shards)
+        return f"in {len(shards)} shards of {size / 1e6:.1f} MB in all (index `model.safetensors.index.json`)"
+    size = (folder / "model.safetensors").stat().st_size
+    return f"in one file `model.safetensors` of {size / 1e6:.1f} MB"
+
+
+def export_usage(name: str) -> str:
+    """The Usage section of an exported folder's card: ``name`` is the repo id or a folder placeholder."""
+    return f"""## Usage
+
+The modeling and tokenizer code ship in this folder: it loads with `trust_remote_code=True`, without the
+`kimi_hybrid` package.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+ids = tok("def read_config(path):", return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens=64, repetition_penalty=1.2, no_repeat_ngram_size=8)
+print(tok.decode(out[0][ids.shape[1]:]))
+```
+
+With the `kimi-hybrid` package installed: `kimi-hybrid generate --model {name} --prompt "def read_config(path):"`.
+
+"""
+
+
+def export_card(card: str, source: Optional[Path], out: Path, repo_id: Optional[str] = None) -> str:
+    """Adapt a source folder's model card to the exported folder ``out`` so that what it says is true there:
+
+    * files of ``source`` the card names in backquotes (training records, samples, corpus manifests) and ``out``
+      lacks are copied next to it (weights excepted);
+    * a line saying the code is not in the folder becomes one saying it ships in it (``trust_remote_code=True``);
+    * ``... safetensors in N shards of at most X`` becomes the dtype and layout that was written
+      (:func:`describe_weights`);
+    * the ``## Usage`` section becomes :func:`export_usage` (loading this folder, not the source path).
+    """
+    if source is not None and source.is_dir():
+        for name in sorted(set(re.findall(r"`([^`/\s]+\.[A-Za-z0-9.]+)`", card))):
+            src, dst = source / name, out / name
+            if src.is_file() and not dst.exists() and not name.startswith("model"):
+                shutil.copyfile(src, dst)
+    lines = card.split("\n")
+    lines = [("Loading it needs `torch`, `transformers` and `tiktoken` (the tokenizer); the modeling and tokenizer "
+              "code ship in this folder (`trust_remote_code=True`, see Usage).")
+             if "the code is not in this folder" in line else line for line in lines]
+    card = "\n".join(lines)
+    try:
+        dtype = json.loads((out / "config.json").read_text(encoding="utf-8")).get("dtype")
+    except (OSError, ValueError):
+        dtype = None
+    weights = describe_weights(out)
+    card = re.sub(r"\b(bfloat16|float16|float32) safetensors in \d+ shards of at most \S+",
+                  lambda m: f"{dtype or m.group(1)} safetensors {weights}", card)
+    card = re.sub(r"## Usage\n.*?(?=^## |\Z)", lambda _: export_usage(repo_id or "path/to/this/folder"), card,
+                  count=1, flags=re.S | re.M)
+    return card
+
+
+def _written_mode() -> int:
+    """The mode a newly created file gets (0o666 less the process umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Optional[str] = None,
                        card: Optional[str] = None, max_shard_size: Union[int, str] = "2GB",
                        safe_serialization: bool = True) -> Path:
@@ -180,6 +278,12 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.time() - 1.0
+    # weights of an earlier export: a stale index next to a new single model.safetensors (or old shards) would be
+    # read instead of, or mixed with, the new weights
+    for pattern in WEIGHT_PATTERNS:
+        for old in out.glob(pattern):
+            old.unlink()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.save_pretrained(out, max_shard_size=max_shard_size)
     # the auto_map and the bundle files are written explicitly: save_pretrained only copies the code of classes
@@ -199,8 +303,17 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
     if card is None:
         name = str(getattr(base, "name_or_path", "") or "")
         src = Path(name) / "README.md" if name and Path(name).is_dir() else None
-        card = src.read_text(encoding="utf-8") if src is not None and src.is_file() else model_card(base, repo_id)
+        if src is not None and src.is_file():
+            card = export_card(src.read_text(encoding="utf-8"), src.parent, out, repo_id)
+        else:
+            card = model_card(base, repo_id)
     (out / "README.md").write_text(with_requirements(card), encoding="utf-8")
+    # files written through a temporary file (the weights) get mode 0600; give every file written here the mode
+    # a plain new file gets (0644 under the usual umask 022)
+    mode = _written_mode()
+    for path in out.iterdir():
+        if path.is_file() and not path.is_symlink() and path.stat().st_mtime >= started:
+            os.chmod(path, mode)
     missing = missing_files(out)
     if missing:
         raise FileNotFoundError(f"the Hub folder {out} is incomplete: {missing}")

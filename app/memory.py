@@ -56,6 +56,8 @@ def parse_size(text: str) -> int:
     Decimal units (kB, MB, GB, TB; also k, M, G, T) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
     of 1024; case-insensitive. Returns bytes (int, rounded down). Raises PlanError for anything else or a negative
     size."""
+    if re.fullmatch(r"\s*-\s*[0-9.].*", str(text)):
+        raise PlanError(f"the size must be positive (got {text!r}); write e.g. 141GB, 80GiB, 512MiB")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _SIZE_UNITS:
@@ -326,13 +328,16 @@ def format_plan(plan: MemoryPlan) -> str:
                      "no room for a cache on one GPU (shard the weights, or pass --weights-dtype none to plan the "
                      "cache of one GPU that holds no weights)")
         lines.append("")
-    head = f"  {'cache':<26} {'per token':>11} {'fixed':>11} {'at ' + format(plan.context, ',') + ' tok':>15} " \
+    # "fixed part" and "total @ N tok" are two columns: a bare "fixed" next to "at N tok" read as one header
+    at_ctx = f"total @ {plan.context:,} tok"
+    w_at = max(15, len(at_ctx) + 2)
+    head = f"  {'cache':<26} {'per token':>11} {'fixed part':>12} {at_ctx:>{w_at}} " \
            f"{'max context (batch 1)':>22} {'max batch @ ctx':>16}"
     lines += [f"comparison (cache dtype {_dtype_name(c.cache_dtype_bytes)}; MHA: {c.mha_heads} heads x "
               f"{c.mha_head_values} K+V values per layer):", head, "  " + "-" * (len(head) - 2)]
     for name, r in plan.rows().items():
-        lines.append(f"  {VARIANT_LABELS[name]:<26} {r['per_token']:>9,} B {human(r['fixed']):>11} "
-                     f"{human(r['at_context']):>15} {r['max_context']:>22,} {r['max_batch']:>16,}")
+        lines.append(f"  {VARIANT_LABELS[name]:<26} {r['per_token']:>9,} B {human(r['fixed']):>12} "
+                     f"{human(r['at_context']):>{w_at}} {r['max_context']:>22,} {r['max_batch']:>16,}")
     return "\n".join(lines)
 
 
@@ -340,19 +345,26 @@ def _dtype_name(size: int) -> str:
     return {2: "bf16/fp16", 4: "fp32"}.get(size, f"{size} B")
 
 
+def require_matplotlib() -> None:
+    """Raise PlanError (with the pip line) if matplotlib, which :func:`plot_plan` needs, is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlanError('the plot needs matplotlib: pip install -e ".[bench]" (or pip install matplotlib)') from None
+
+
 def plot_plan(plan: MemoryPlan, path: str, max_context: int = 1 << 20) -> str:
     """Write a PNG of the cache bytes of one sequence (batch 1) against context for the three caches, log-log,
     with the room the GPU leaves for the cache (GPU - weights - reserve) as a horizontal line and each cache's
     size at ``max_context`` written at the right end; returns the path. Needs matplotlib
     (``pip install -e ".[bench]"``); raises PlanError without it."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
-    except ImportError:
-        raise PlanError('the plot needs matplotlib: pip install -e ".[bench]" (or pip install matplotlib)') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
     ctx: List[int] = []
     t = 1024
     while t < max_context:

@@ -524,7 +524,7 @@ def test_truncated_weights_exit_with_a_message(tiny_dir, tmp_path):
     w = bad / "model.safetensors"
     os.truncate(w, w.stat().st_size // 2)
     r = run_cli("generate", "--model", str(bad), "--prompt", "x", "--device", "cpu", timeout=120)
-    assert_one_line_error(r, f"kimi-hybrid: the weights in {bad} cannot be read")
+    assert_one_line_error(r, f"kimi-hybrid: {w} cannot be read")
     assert "truncated or corrupt" in r.stderr
 
 
@@ -534,7 +534,7 @@ def test_corrupt_weights_exit_with_a_message(tiny_dir, tmp_path):
         f.write(b"\xff" * 16)  # header length and JSON destroyed
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--model", str(bad), "--prompt", "x", "--device", "cpu"])
-    assert str(e.value.code).startswith(f"kimi-hybrid: the weights in {bad} cannot be read (")
+    assert str(e.value.code).startswith(f"kimi-hybrid: {bad / 'model.safetensors'} cannot be read (")
     assert "\n" not in str(e.value.code)
 
 
@@ -610,3 +610,151 @@ def test_token_healing_keeps_whitespace_tails(tokenizer):
     except KeyError:  # transformers 5.23: the tail's own token is not among the extensions it looked up
         theirs = in_ids
     assert theirs == in_ids  # ' in' is not healed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# argparse errors follow the one-line rule
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--max-new-tokens", "abc"],
+     "kimi-hybrid: argument --max-new-tokens: invalid int value: 'abc' (see kimi-hybrid generate --help)"),
+    (["memory", "--context", "1.5"],
+     "kimi-hybrid: argument --context: invalid int value: '1.5' (see kimi-hybrid memory --help)"),
+    (["export"], "kimi-hybrid: the following arguments are required: --out (see kimi-hybrid export --help)"),
+    (["chat", "--no-such-option"], "kimi-hybrid: unrecognized arguments: --no-such-option (see kimi-hybrid --help)"),
+])
+def test_argparse_errors_are_one_line_exit_1(argv, expected, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == expected  # SystemExit(str) prints it on stderr and exits with status 1
+    assert capsys.readouterr().err == ""  # no usage block
+
+
+def test_argparse_error_subprocess_exit_status():
+    r = run_cli("generate", "--max-new-tokens", "abc", timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "kimi-hybrid: argument --max-new-tokens: invalid int value: 'abc' (see kimi-hybrid generate --help)"]
+
+
+def test_negative_values_reach_the_option_checks():
+    """``--opt -5GB`` is joined to ``--opt=-5GB`` so that the option's own check answers; plain negative numbers
+    and other tokens are left as they are."""
+    assert cli._join_negative_values(["memory", "--gpu-mem", "-5GB", "--context", "8"]) == [
+        "memory", "--gpu-mem=-5GB", "--context", "8"]
+    assert cli._join_negative_values(["--top-k", "-1", "--sample", "--prompt", "x"]) == [
+        "--top-k=-1", "--sample", "--prompt", "x"]
+    assert cli._join_negative_values(["--prompt", "-x", "-h"]) == ["--prompt", "-x", "-h"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompt, dtype and broken-weights messages
+# ---------------------------------------------------------------------------------------------------------------
+
+class _FakeStdin:
+    def __init__(self, text: str, tty: bool):
+        self.text, self.tty = text, tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def read(self) -> str:
+        return self.text
+
+
+def test_prompt_from_a_terminal_says_so_and_empty_prompts_are_refused():
+    import io
+
+    args = cli.build_parser().parse_args(["generate"])
+    err = io.StringIO()
+    assert cli.read_prompt(args, _FakeStdin("def f(x):", tty=True), err) == "def f(x):"
+    assert err.getvalue() == ("kimi-hybrid: reading the prompt from stdin (end it with Ctrl-D, or pass --prompt "
+                              "TEXT)\n")
+    err = io.StringIO()
+    assert cli.read_prompt(args, _FakeStdin("x = 1", tty=False), err) == "x = 1" and err.getvalue() == ""
+    with pytest.raises(SystemExit) as e:
+        cli.read_prompt(args, _FakeStdin("  \n", tty=False), io.StringIO())
+    assert e.value.code == ("kimi-hybrid: the prompt is empty (stdin); pass --prompt TEXT or pipe text into "
+                            "kimi-hybrid generate")
+
+
+def test_empty_prompt_is_refused_before_loading():
+    r = run_cli("generate", "--model", "/nonexistent", "--prompt", "", timeout=60)  # refused before the model
+    assert_one_line_error(r, "kimi-hybrid: the prompt is empty (--prompt); pass --prompt TEXT")
+
+
+def test_unknown_dtype_lists_the_valid_values():
+    with pytest.raises(SystemExit) as e:
+        cli.pick_dtype("int8", "cpu")
+    assert e.value.code == ("kimi-hybrid: unknown --dtype 'int8'; use one of auto, stored, float32 (fp32), "
+                            "bfloat16 (bf16), float16 (fp16)")
+
+
+def test_broken_weights_message_names_the_file(tiny_dir, tmp_path):
+    """Of a sharded folder, the one truncated shard is named (not only the folder)."""
+    model = KimiHybridForCausalLM.from_pretrained(str(tiny_dir))
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="2MB")
+    KimiHybridTokenizer.from_pretrained(str(tiny_dir)).save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    assert cli.broken_weights_file(str(sharded)) is None
+    os.truncate(shards[1], shards[1].stat().st_size - 100)
+    assert cli.broken_weights_file(str(sharded)) == shards[1]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(sharded), "--prompt", "x", "--device", "cpu"])
+    assert str(e.value.code).startswith(f"kimi-hybrid: {shards[1]} cannot be read (")
+    assert str(e.value.code).endswith("the file is truncated or corrupt; download or convert it again")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# export: where it may write
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_export_refuses_the_model_folder_and_foreign_folders(tiny_dir, tmp_path, capsys):
+    src = copy_folder(tiny_dir, tmp_path / "src")
+    before = sorted((p.name, p.stat().st_size) for p in src.iterdir())
+    cases = [
+        (str(src), f"kimi-hybrid: --out {src} is the model folder itself; export to another folder"),
+        (str(src / "sub"), f"kimi-hybrid: --out {src / 'sub'} is inside the model folder {src.resolve()}"),
+        (str(tmp_path), f"kimi-hybrid: --out {tmp_path} contains the model folder {src.resolve()}"),
+    ]
+    for out, expected in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", "--model", str(src), "--out", out, "--device", "cpu"])
+        assert str(e.value.code).startswith(expected), e.value.code
+    assert sorted((p.name, p.stat().st_size) for p in src.iterdir()) == before  # untouched
+    assert "loading" not in capsys.readouterr().err  # refused before loading
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--model", str(src), "--out", str(foreign), "--device", "cpu"])
+    assert e.value.code == (f"kimi-hybrid: --out {foreign} is not empty and is not a previous export; choose an "
+                            "empty or new folder, or pass --overwrite to write into it")
+    assert cli.main(["export", "--model", str(src), "--out", str(foreign), "--device", "cpu", "--overwrite"]) == 0
+    assert (foreign / "notes.txt").read_text() == "mine" and (foreign / "model.safetensors").is_file()
+    # a previous export is written over without --overwrite
+    assert cli.main(["export", "--model", str(src), "--out", str(foreign), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out OUT folder to write (created if needed)" in text and "--overwrite write into a non-empty" in text
+
+
+@pytest.mark.skipif(not HAS_WEIGHTS, reason="the embedded model's weights are not in this checkout")
+def test_exported_embedded_card_describes_the_export(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(cli.ENV_DEFAULT_MODEL, raising=False)
+    out = tmp_path / "export"
+    assert cli.main(["export", "--out", str(out), "--device", "cpu"]) == 0
+    card = (out / "README.md").read_text()
+    assert "the code is not in this folder" not in card and "4 shards" not in card
+    assert 'from_pretrained("models/kimi-hybrid-stdlib")' not in card
+    assert 'AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)' in card
+    assert f"safetensors in one file `model.safetensors` of {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB" \
+        in card
+    for name in ("train_metrics.json", "samples.txt", "python_corpus_manifest.json.gz", "corpus_manifest.json"):
+        assert f"`{name}`" in card and (out / name).read_bytes() == (EMBEDDED / name).read_bytes(), name

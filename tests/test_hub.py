@@ -230,3 +230,67 @@ def test_embedded_model_folder():
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (
         tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     assert cfg["layer_types"].count("linear_attention") == 3 * cfg["layer_types"].count("full_attention")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# writing over a folder, file modes, the card of an exported source folder
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_rewrite_leaves_no_stale_weights_and_plain_file_modes(model, tokenizer, tmp_path):
+    """A sharded export written over by a single-file one: the old shards and index are gone (transformers would
+    read the index and ignore the new model.safetensors); every written file has the mode of a new plain file."""
+    out = tmp_path / "bundle"
+    hub.prepare_hub_folder(model, tokenizer, out, max_shard_size="1MB")
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) >= 2
+    old = os.umask(0o022)
+    try:
+        hub.prepare_hub_folder(model, tokenizer, out)  # default 2GB shards: one file
+    finally:
+        os.umask(old)
+    assert not (out / "model.safetensors.index.json").exists() and not list(out.glob("model-*.safetensors"))
+    assert (out / "model.safetensors").is_file() and hub.missing_files(out) == []
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_export_card_is_true_for_the_exported_folder(model, tokenizer, tmp_path):
+    """A source folder's card that says the code is elsewhere, gives 4 shards, loads from the source path and
+    names side files: in the export it says the code ships in the folder, gives the layout written, loads the
+    folder with trust_remote_code=True, and the side files are copied."""
+    src = tmp_path / "src"
+    model.save_pretrained(src, max_shard_size="1MB")
+    tokenizer.save_pretrained(src)
+    (src / "train_metrics.json").write_text('{"loss": 1.0}\n')
+    (src / "samples.txt").write_text("def f(): pass\n")
+    (src / "README.md").write_text(textwrap.dedent("""\
+        # tiny
+
+        Loading it needs the `kimi_hybrid` package (the code is not in this folder) and `tiktoken` (the tokenizer).
+
+        | weights | bfloat16 safetensors in 4 shards of at most 15MB (fp32 biases) |
+
+        ## Usage
+
+        ```python
+        import kimi_hybrid
+        tok = AutoTokenizer.from_pretrained("models/src")
+        ```
+
+        ## Files
+
+        `train_metrics.json` (the record), `samples.txt`, `missing.json`.
+        """))
+    loaded = KimiHybridForCausalLM.from_pretrained(str(src))
+    out = hub.prepare_hub_folder(loaded, tokenizer, tmp_path / "out", repo_id="me/tiny")
+    card = (out / "README.md").read_text()
+    assert "the code is not in this folder" not in card and "models/src" not in card
+    assert "import kimi_hybrid" not in card and "4 shards" not in card
+    size = (out / "model.safetensors").stat().st_size
+    assert f"| weights | float32 safetensors in one file `model.safetensors` of {size / 1e6:.1f} MB (fp32 biases) |" \
+        in card
+    assert 'AutoTokenizer.from_pretrained("me/tiny", trust_remote_code=True)' in card
+    assert 'AutoModelForCausalLM.from_pretrained("me/tiny", trust_remote_code=True)' in card
+    assert "## Files" in card  # the sections after Usage are kept
+    assert (out / "train_metrics.json").read_text() == '{"loss": 1.0}\n'
+    assert (out / "samples.txt").read_text() == "def f(): pass\n"
+    assert not (out / "missing.json").exists()

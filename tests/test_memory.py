@@ -101,7 +101,9 @@ def test_parse_size_and_dtypes():
     assert memory.parse_size("141GB") == 141 * 10**9 and memory.parse_size("80GiB") == 80 * 2**30
     assert memory.parse_size("1.5 TB") == 1_500_000_000_000 and memory.parse_size("4096") == 4096
     assert memory.parse_size("512mib") == 512 * 2**20
-    for bad in ("lots", "80 GiBs", "-1GB", ""):
+    with pytest.raises(memory.PlanError, match=r"the size must be positive \(got '-1GB'\)"):
+        memory.parse_size("-1GB")
+    for bad in ("lots", "80 GiBs", ""):
         with pytest.raises(memory.PlanError, match="cannot read the size"):
             memory.parse_size(bad)
     assert memory.dtype_bytes("fp8", "--weights-dtype") == 1 and memory.dtype_bytes("bf16", "--cache-dtype") == 2
@@ -177,3 +179,45 @@ def test_readme_memory_planner_section_is_the_planner_output():
     printed = memory.format_plan(plan).splitlines()
     table = [line for line in section.splitlines() if line.startswith("  ") and (" B " in line or "per token" in line)]
     assert len(table) == 4 and all(line in printed for line in table), table
+
+
+def test_comparison_header_names_each_column():
+    """The comparison table's header: "fixed part" and "total @ N tok" are separate columns (a bare "fixed" next to
+    "at N tok" read as one header), each right-aligned over its figures."""
+    plan = memory.make_plan(memory.load_config(preset="kimi-linear-48b-a3b"), "kimi-linear-48b-a3b",
+                            memory.parse_size("141GB"), 1048576)
+    lines = memory.format_plan(plan).splitlines()
+    head = next(line for line in lines if line.lstrip().startswith("cache ") and "per token" in line)
+    assert "   fixed part   total @ 1,048,576 tok  " in head
+    row = next(line for line in lines if line.lstrip().startswith("hybrid"))
+    assert row.index("43.42 MB") + len("43.42 MB") == head.index("fixed part") + len("fixed part")
+    assert row.index("8.50 GB") + len("8.50 GB") == head.index("1,048,576 tok") + len("1,048,576 tok")
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_cli_memory_unwritable_output_is_a_user_error(tmp_path, option):
+    """An output path in a missing folder: one line naming the path, nothing printed before it."""
+    target = tmp_path / "no" / "such" / "dir" / "x.out"
+    r = run_memory("--preset", "k3", option, str(target))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "please report" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"kimi-hybrid: cannot write {target} ({option}): no such folder {target.parent}; create it first")
+    assert r.stdout == ""  # checked before the table is printed
+
+
+def test_cli_memory_plot_without_matplotlib_fails_before_the_table(monkeypatch, capsys, tmp_path):
+    from kimi_hybrid.app import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as e:
+        cli.main(["memory", "--preset", "k3", "--plot", str(tmp_path / "p.png")])
+    assert str(e.value.code).startswith("kimi-hybrid: the plot needs matplotlib: pip install")
+    assert capsys.readouterr().out == "" and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("argv", [["--gpu-mem=-5GB"], ["--gpu-mem", "-5GB"], ["--reserve", "-1GiB"]])
+def test_cli_memory_negative_size_says_positive(argv):
+    r = run_memory("--preset", "k3", *argv)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi-hybrid: the size must be positive (got '-"), r.stderr
