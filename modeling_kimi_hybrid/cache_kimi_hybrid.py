@@ -127,6 +127,23 @@ def _static_address(t: torch.Tensor) -> None:
 # KDA layers
 # ----------------------------------------------------------------------------------------------------------------
 
+class _RowOps:
+    """Batch-row operations of a cache layer, written once over the layer's ``_apply(fn)`` (which maps every tensor it
+    holds, ``[batch, ...]``, and drops what cannot follow the rows, e.g. a KDA layer's rollback record)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: keep rows ``beam_idx`` (in that order)."""
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (row order b0, b0, ..., b1, b1, ...)."""
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only rows ``indices``."""
+        self._apply(lambda t: t[indices.to(t.device)])
+
+
 class _FixedBuffers:
     """What a static layer refuses: its buffers have a fixed batch size and fixed addresses (torch.compile / CUDA
     graphs), so batch changes raise NotImplementedError and offload / prefetch raise ValueError."""
@@ -150,7 +167,7 @@ class _FixedBuffers:
         raise ValueError(_NO_STATIC_OFFLOAD)
 
 
-class KDALayer(LinearAttentionCacheLayerMixin):
+class KDALayer(_RowOps, LinearAttentionCacheLayerMixin):
     """Cache of one KDA layer (transformers' linear-attention layer API, one state: ``state_idx`` 0).
 
     ``conv_state [B, C, W-1]`` (C = 3*H*K, the fused q|k|v channels, model dtype; ``conv_states[0]``) and
@@ -264,18 +281,6 @@ class KDALayer(LinearAttentionCacheLayerMixin):
         for name, t in self.tensors().items():
             setattr(self, name, fn(t))
         self.record = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: keep rows ``beam_idx`` (in that order). Drops the rollback record."""
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row ``repeats`` times (row order b0, b0, ..., b1, b1, ...). Drops the rollback record."""
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only rows ``indices``. Drops the rollback record."""
-        self._apply(lambda t: t[indices.to(t.device)])
 
     def reset(self) -> None:
         """Forget the state (dynamic: drop the tensors)."""
@@ -476,7 +481,7 @@ def replay_record(rec: Dict[str, Any], m: int):
 # MLA layers
 # ----------------------------------------------------------------------------------------------------------------
 
-class MLALayerMixin:
+class MLALayerMixin(_RowOps):
     """What both MLA layer classes share: the latent ``[B, T or max_cache_len, kv_lora_rank + rope]`` (model dtype)
     is the layer's ``keys``; ``values`` stays ``None`` (the latent serves as both)."""
 
@@ -543,18 +548,6 @@ class DynamicMLALayer(MLALayerMixin, DynamicLayer):
     def _apply(self, fn) -> None:
         if self.keys is not None:
             self.latent = fn(self.keys)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: keep rows ``beam_idx`` (in that order)."""
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row ``repeats`` times (row order b0, b0, ..., b1, b1, ...)."""
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only rows ``indices``."""
-        self._apply(lambda t: t[indices.to(t.device)])
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (a negative int; 0 is a no-op).
