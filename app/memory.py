@@ -11,7 +11,7 @@ compares the hybrid with two caches of the same model depth:
 The hybrid figures are those of our cache, byte for byte what ``KimiHybridCache.memory_report()`` sums from its
 tensors (tested on real tensors). For a batch of ``B`` rows holding ``T`` tokens each:
 
-* KDA layers, constant: ``B x n_kda x (H x K x K x 4`` (fp32 recurrent state) ``+ 3 x H x K x (W - 1) x s)``
+* KDA layers, constant: ``B x n_kda x (H x K x K x 4`` (fp32 recurrent state) ``+ 3 x H x K x W x s)``
   (short-conv window of q, k, v), with ``H`` heads of size ``K``, conv kernel ``W`` and ``s`` the cache dtype size;
 * MLA layers, per token: ``B x T x n_mla x (kv_lora_rank + qk_rope_head_dim) x s``;
 * key-padding mask: ``B x T`` bytes (bool);
@@ -180,7 +180,7 @@ class CachePlan:
         qk = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
         heads = int(config.num_attention_heads)
         return cls(num_layers=L, n_kda=n_kda, n_mla=n_mla, cache_dtype_bytes=s,
-                   kda_state=n_kda * H * K * K * 4, kda_conv=n_kda * 3 * H * K * (W - 1) * s,
+                   kda_state=n_kda * H * K * K * 4, kda_conv=n_kda * 3 * H * K * W * s,
                    hidden=int(config.hidden_size) * s, mla_per_token=n_mla * latent * s, mask_per_token=1,
                    all_mla_per_token=L * latent * s, mha_per_token=L * heads * (qk + int(config.v_head_dim)) * s,
                    mha_heads=heads, mha_head_values=qk + int(config.v_head_dim))

@@ -207,7 +207,7 @@ def expected_distinct(E, k, B):
 def kda_state_bytes(cfg):
     la = cfg.linear_attn_config
     H, K, W = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
-    return 3 * H * K * (W - 1) * 2 + H * K * K * 4
+    return 3 * H * K * W * 2 + H * K * K * 4
 
 
 def floor_bytes(model, cfg, B, ctx):

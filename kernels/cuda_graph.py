@@ -26,13 +26,13 @@ from typing import Optional
 
 import torch
 
-from kimi_hybrid.cache_kimi_hybrid import KDALayerCache, KimiHybridCache
+from kimi_hybrid.cache_kimi_hybrid import KimiHybridCache, is_kda_layer, layer_tensors
 
 __all__ = ["to_static_cache", "prefill_to_static", "GraphDecoder"]
 
 
 def _is_kda(layer) -> bool:
-    return isinstance(layer, KDALayerCache)
+    return is_kda_layer(layer)
 
 
 def to_static_cache(cache, max_cache_len: int):
@@ -42,18 +42,20 @@ def to_static_cache(cache, max_cache_len: int):
     T = cache.seen_tokens
     if T > max_cache_len:
         raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={max_cache_len}")
-    ref = next(t for layer in cache.layers for t in layer.tensors().values())
-    conv_dtype = next((l.conv_state.dtype for l in cache.layers if _is_kda(l)
-                       and l.conv_state is not None), None)
+    ref = next(t for layer in cache.layers
+               for t in layer_tensors(layer).values())
+    conv_dtype = next((l.conv_states[0].dtype for l in cache.layers if _is_kda(l)
+                       and l.conv_states[0] is not None), None)
     lat_dtype = next((l.latent.dtype for l in cache.layers if not _is_kda(l)
                       and l.latent is not None), None)
     dtype = conv_dtype or lat_dtype or ref.dtype
     B = cache.batch_size
-    st = type(cache)(cache.config, max_cache_len=max_cache_len, batch_size=B, dtype=dtype, device=ref.device)
+    st = KimiHybridCache(cache.config, max_cache_len=max_cache_len, batch_size=B, dtype=dtype, device=ref.device)
     for a, b in zip(st.layers, cache.layers):
         if _is_kda(a):
-            a.conv_state.copy_(b.conv_state)
-            a.recurrent_state.copy_(b.recurrent_state)
+            a.conv_states[0].copy_(b.conv_states[0])
+            a.recurrent_states[0].copy_(b.recurrent_states[0])
+            a.has_previous_state[0] = b.has_previous_state[0]
         else:
             a.latent[:, :T].copy_(b.latent)
     st.key_mask[:, :T].copy_(cache.key_mask[:, :T])

@@ -2,22 +2,28 @@
 """``KimiHybridCache``: the hybrid decoding cache of Kimi-Linear / Kimi K3, on transformers' cache layer API.
 
 One layer object per decoder layer (``cache.layers[i]``), each a transformers cache layer that owns its tensors and
-its update / reorder / crop / batch operations:
+its update / reorder / batch operations, laid out as transformers' own caches for this architecture are (so its cache
+checks, tools and a ``DynamicCache`` / ``StaticCache`` of native ``kimi_linear`` see the same shapes):
 
-* KDA layers (``linear_attention``): :class:`KDALayer` (a ``LinearAttentionCacheLayerMixin``) holds a fixed-size
-  state whatever the context length: the short-conv window of the last ``W-1`` pre-conv q|k|v inputs,
-  ``conv_state [B, 3*H*K, W-1]`` in the model dtype, and the delta-rule ``recurrent_state [B, H, K, V]`` in float32
-  (``conv_states[0]`` / ``recurrent_states[0]`` in transformers' naming), plus the rollback record (below).
-  :class:`StaticKDALayer` pre-allocates both and writes them in place.
+* KDA layers (``linear_attention``): transformers' ``LinearAttentionLayer`` itself (one state, ``state_idx`` 0) holds
+  a fixed-size state whatever the context length: the short-conv window of the last ``W`` pre-conv q|k|v inputs,
+  ``conv_states[0] [B, 3*H*K, W]`` in the model dtype (the convolution of the next token reads the newest ``W-1``;
+  FLA's ``causal_conv1d`` and native ``kimi_linear`` keep the same window), and the delta-rule ``recurrent_states[0]
+  [B, H, K, V]`` in float32. Its buffers are allocated once and written in place (:func:`kda_store`).
 * MLA layers (``full_attention``): :class:`DynamicMLALayer` (a ``DynamicLayer``) or :class:`StaticMLALayer` (a
   ``StaticLayer``) hold only the compressed latent of each token: the RMS-normalised ``c_kv`` (``kv_lora_rank``)
-  concatenated with the shared ``k_pe`` (``qk_rope_head_dim``), ``latent [B, T, kv_lora_rank + rope]`` (576 values
-  per token for Kimi-Linear), never per-head K/V. It is stored as the layer's ``keys``; ``values`` stays ``None``.
+  and the shared ``k_pe`` (``qk_rope_head_dim``) in one buffer, ``latent [B, T, kv_lora_rank + rope]`` (576 values
+  per token for Kimi-Linear), never per-head K/V. transformers reads it as ``keys = c_kv [B, 1, T, r]`` and
+  ``values = k_pe [B, 1, T, rope]`` (views of the latent).
 
-Every stored tensor owns exactly its bytes: a layer's update keeps a view only when it is the whole of its storage
-and copies it otherwise (the torch short-conv returns its window as a slice of the whole padded prefill input, which
-would otherwise stay alive behind a few columns). ``memory_report()`` sums the storages actually held (each counted
-once), so nothing hidden behind a view can escape it.
+The containers are transformers' own classes: ``KimiHybridCache(config)`` is a :class:`KimiHybridDynamicCache` (a
+``DynamicCache``), ``KimiHybridCache(config, max_cache_len=N)`` a :class:`KimiHybridStaticCache` (a
+``StaticCache``); both are built through ``Cache.__init__``.
+
+Every stored tensor owns exactly its bytes: KDA states are copied into their buffers, and an MLA latent that is a
+view of a larger buffer is copied (the torch short-conv returns its window as a slice of the whole padded prefill
+input, which would otherwise stay alive behind a few columns). ``memory_report()`` sums the storages actually held
+(each counted once), so nothing hidden behind a view can escape it.
 
 The sequence length comes from one position counter held by the container (``seen_tokens``), never from layer 0
 (often a KDA layer). Modes, chosen by the layer classes: dynamic (latents grow by concatenation) and static
@@ -29,7 +35,8 @@ so a decode step has fixed shapes and addresses and no Python int that changes p
 operations (``batch_repeat_interleave``, ``batch_select_indices``) need a dynamic cache.
 
 Rollback for assisted / speculative decoding (``crop``): a recurrent state cannot be un-applied, so while
-``activate_past_recording()`` is on each KDA layer keeps a *record*: the recurrent state and conv window at an anchor
+``activate_past_recording()`` is on the container keeps, for each KDA layer, a *record* (:class:`KDARecord`, in
+``cache.records``; the layer's own ``record_past`` stays off, so its window keeps its fixed width): the recurrent state and conv window at an anchor
 position plus, for every later token up to the current length, the post-conv q/k/v, the decay g, beta, the pre-conv
 q|k|v input and a validity flag. Records chain across forward calls (an assistant model drafts one token per call and
 is then rolled back over several calls; ``generate`` switches recording on for the main cache and, through
@@ -42,9 +49,9 @@ pad-token id as padding. A forward without recording (or a packed one) drops the
 With R = ``config.kda_record_max_tokens`` (default 64), P = H*K, per KDA layer and batch row:
 
 * rollback depth: at least ``min(R, tokens recorded since recording started)`` tokens back, always;
-* memory: one state copy ``H*K*V`` fp32 + one conv window ``3P*(W-1)`` + at most ``2R`` recorded tokens, each
+* memory: one state copy ``H*K*V`` fp32 + one conv window ``3P*W`` + at most ``2R`` recorded tokens, each
   ``6P`` values in the model dtype (q, k, v, x) + ``P + H`` fp32 (g, beta) + 1 byte. Kimi-Linear in bf16 (H=32,
-  K=V=128, P=4096, R=64): 2 MiB + 72 KiB + 128 * 64.1 KiB = about 10.1 MiB per KDA layer and row at most;
+  K=V=128, P=4096, R=64): 2 MiB + 96 KiB + 128 * 64.1 KiB = about 10.1 MiB per KDA layer and row at most;
 * compute: when a chained record passes 2R tokens its anchor moves forward by replaying the oldest R tokens once
   (amortised: one extra recurrence step per recorded token; no projection, conv or MLP is recomputed); an unpadded
   forward of T >= R tokens restarts the record inside the call at no extra cost; ``crop`` costs one recurrence over
@@ -72,7 +79,8 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin, StaticLayer
+from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin,
+                                     LinearAttentionLayer, StaticCache, StaticLayer)
 
 try:  # relative import inside the package / Hub bundle
     from .kda_kimi_hybrid import _compiling, kda_chunk, kda_recurrent
@@ -80,7 +88,8 @@ except ImportError:  # pragma: no cover
     from kda_kimi_hybrid import _compiling, kda_chunk, kda_recurrent  # type: ignore
 
 CACHE_FORMAT = "kimi-hybrid-cache"
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: W-wide conv windows (1: W-1 wide; still read)
+READABLE_VERSIONS = (1, 2)
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -124,12 +133,235 @@ def _static_address(t: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# KDA layers
+# KDA layers: transformers' own LinearAttentionLayer
 # ----------------------------------------------------------------------------------------------------------------
 
-class _RowOps:
-    """Batch-row operations of a cache layer, written once over the layer's ``_apply(fn)`` (which maps every tensor it
-    holds, ``[batch, ...]``, and drops what cannot follow the rows, e.g. a KDA layer's rollback record)."""
+def new_kda_layer(conv_kernel_size: int) -> LinearAttentionLayer:
+    """A KDA layer's cache: transformers' ``LinearAttentionLayer`` (one state, ``state_idx`` 0) with its conv window
+    ``W = conv_kernel_size`` wide. Its buffers are allocated at the first write (or by the container's static
+    allocation) and written in place from then on."""
+    layer = LinearAttentionLayer(number_of_states=1)
+    layer.conv_kernel_size[0] = int(conv_kernel_size)
+    return layer
+
+
+def is_kda_layer(layer) -> bool:
+    """True for a KDA (linear-attention) cache layer."""
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def kda_tensors(layer) -> Dict[str, torch.Tensor]:
+    """A KDA layer's states by name: ``conv_state [B, 3*H*K, W]`` (model dtype) and ``recurrent_state [B, H, K, V]``
+    (float32), those that exist."""
+    out = {}
+    if layer.conv_states[0] is not None:
+        out["conv_state"] = layer.conv_states[0]
+    if layer.recurrent_states[0] is not None:
+        out["recurrent_state"] = layer.recurrent_states[0]
+    return out
+
+
+def kda_store(layer, conv_state: Optional[torch.Tensor] = None, recurrent_state: Optional[torch.Tensor] = None,
+              fixed: bool = False) -> None:
+    """Write a KDA layer's states: ``conv_state [B, 3*H*K, W]`` and / or ``recurrent_state [B, H, K, V]`` fp32.
+
+    In place into the layer's buffers (allocated by transformers' ``lazy_initialization`` at the first write, zeroed,
+    with a fixed address) whenever shapes, dtype and device match and the value carries no autograd history;
+    ``fixed`` (a static cache) demands the in-place write. Otherwise (a new batch size, or a training forward whose
+    state must keep its graph) the layer holds a tensor that owns exactly its bytes (see :func:`_own`).
+
+    Raises:
+        ValueError: ``fixed`` and the shape differs from the allocated buffer.
+    """
+    for t, slots, flags, kw in ((conv_state, layer.conv_states, layer.is_conv_states_initialized, "conv_states"),
+                                (recurrent_state, layer.recurrent_states, layer.is_recurrent_states_initialized,
+                                 "recurrent_states")):
+        if t is None:
+            continue
+        old = slots[0]
+        if old is None and (fixed or not t.requires_grad):
+            layer.lazy_initialization(**{kw: t}, **({"conv_kernel_size": t.shape[-1]} if kw == "conv_states"
+                                                      else {}))
+            old = slots[0]
+        same = old is not None and old.shape == t.shape and old.device == t.device and old.dtype == t.dtype
+        if same and (fixed or not (t.requires_grad and torch.is_grad_enabled())):
+            old.copy_(t)
+        elif fixed:
+            raise ValueError(f"a static cache's KDA buffer is {tuple(old.shape)} {old.dtype} on {old.device}; cannot "
+                             f"write {tuple(t.shape)} {t.dtype} on {t.device}")
+        else:
+            slots[0] = _own(t)
+        flags[0] = True
+        layer.device = slots[0].device
+        if kw == "conv_states":
+            layer.dtype = slots[0].dtype
+    layer.has_previous_state[0] = layer.recurrent_states[0] is not None
+
+
+def kda_drop(layer) -> None:
+    """Forget a KDA layer's states (the buffers are freed; the next write allocates anew)."""
+    layer.conv_states[0] = layer.recurrent_states[0] = None
+    layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = False
+    layer.has_previous_state[0] = False
+
+
+def kda_map_rows(layer, fn) -> None:
+    """Apply a batch-row map ``fn`` (reorder / repeat / select, ``[B, ...] -> [B', ...]``) to a KDA layer's states."""
+    for name, t in kda_tensors(layer).items():
+        slots = layer.conv_states if name == "conv_state" else layer.recurrent_states
+        slots[0] = fn(t)
+
+
+class KDARecord:
+    """Rollback record of one KDA layer (see the module doc): the recurrent state ``[B, H, K, V]`` fp32 and conv
+    window ``[B, 3P, W]`` at position ``anchor``, then for each later token up to ``end``, in position order:
+    post-conv ``q, k, v [B, n, H, K]``, decay ``g [B, n, H, K]``, ``beta [B, n, H]``, pre-conv ``x [B, n, 3P]`` and
+    ``valid [B, n]`` bool (False = padding: its k, g and beta are zero, so it leaves the state alone, and it never
+    enters the conv window). Every tensor is a detached copy."""
+
+    KEYS = ("q", "k", "v", "g", "beta", "x", "valid")
+
+    def __init__(self, anchor: int, state: torch.Tensor, window: torch.Tensor, tokens: Dict[str, torch.Tensor],
+                 max_tokens: int):
+        self.anchor = int(anchor)
+        self.end = int(anchor) + tokens["q"].shape[1]
+        self.state = state.detach().clone()
+        self.window = window.detach().clone()
+        self.tokens = {name: tokens[name].detach().clone() for name in self.KEYS}
+        self._bound(max_tokens)
+
+    def tensors(self) -> List[torch.Tensor]:
+        """Every tensor the record holds."""
+        return [self.state, self.window, *self.tokens.values()]
+
+    def nbytes(self) -> int:
+        """Nominal bytes of the record."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def extend(self, tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
+        """Append the tokens of the next forward call (same layout as the constructor's)."""
+        for name in self.KEYS:
+            self.tokens[name] = torch.cat([self.tokens[name], tokens[name].detach().to(self.tokens[name].dtype)], 1)
+        self.end += tokens["q"].shape[1]
+        self._bound(max_tokens)
+
+    def _bound(self, max_tokens: int) -> None:
+        """Past ``2 * max_tokens`` recorded tokens, move the anchor so that ``max_tokens`` stay (one replay of the
+        dropped tokens)."""
+        n = self.end - self.anchor
+        if n > 2 * max_tokens:
+            d = n - max_tokens
+            self.state, self.window = self.replay(d)
+            self.anchor += d
+            for name in self.KEYS:
+                self.tokens[name] = self.tokens[name][:, d:].contiguous()
+
+    def replay(self, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Run the recorded recurrence and conv window forward ``m`` tokens from the anchor. Returns ``(state
+        [B, H, K, V] fp32, window [B, 3P, W])`` at position ``anchor + m``."""
+        state, window = self.state, self.window
+        if m <= 0:
+            return state, window
+        args = [self.tokens[name][:, :m] for name in ("q", "k", "v", "g", "beta")]
+        run = kda_recurrent if m <= 64 else kda_chunk
+        with torch.no_grad():
+            _, state = run(*args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        B, C, W = window.shape
+        x = torch.cat([window, self.tokens["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)  # [B, C, W + m]
+        valid = self.tokens["valid"][:, :m]
+        if bool(valid.all()):
+            return state, x[..., x.shape[-1] - W:]
+        # the last W real inputs of each row, oldest first (pads never enter the window)
+        valid = torch.cat([valid.new_ones(B, W), valid], dim=1)
+        order = (~valid).to(torch.int8).argsort(dim=1, stable=True)  # real columns first, in order
+        pick = valid.sum(1, keepdim=True) - W + torch.arange(W, device=valid.device).unsqueeze(0)
+        cols = order.gather(1, pick)
+        return state, x.gather(2, cols.unsqueeze(1).expand(B, C, W))
+
+    def rollback(self, target: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ``(state, window)`` at position ``target`` (inside ``[anchor, end]``, as new tensors); the record is
+        trimmed to end there."""
+        m = target - self.anchor
+        state, window = self.replay(m)
+        for name in self.KEYS:
+            self.tokens[name] = self.tokens[name][:, :m]
+        self.end = int(target)
+        return state.clone(), window.clone()
+
+
+def _shape(t: Optional[torch.Tensor]):
+    return None if t is None else tuple(t.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MLA layers
+# ----------------------------------------------------------------------------------------------------------------
+
+class MLALayerMixin:
+    """What both MLA layer classes share. The layer holds one buffer, ``latent [B, T, r + rope]`` (model dtype;
+    ``r = kv_lora_rank``): the normalised ``c_kv`` and the shared rotary key ``k_pe`` of each token, so attention
+    reads each token's 576 values in one pass. transformers' layer view of it (what its cache checks and tools read,
+    the MLA convention of its DeepSeek-V3 / kimi_linear caches): ``keys = c_kv [B, 1, T, r]`` and ``values =
+    k_pe [B, 1, T, rope]``, both views into ``latent`` (read-only: assign ``latent`` to replace it)."""
+
+    layer_type = FULL
+
+    def _init_mla(self, kv_lora_rank: int) -> None:
+        self.kv_lora_rank = int(kv_lora_rank)
+        self.__dict__["_latent"] = None
+
+    def __repr__(self):
+        return f"{type(self).__name__}(latent={_shape(self.latent)})"
+
+    @property
+    def latent(self) -> Optional[torch.Tensor]:
+        """``[B, T, Dl]`` (dynamic) or ``[B, max_cache_len, Dl]`` (static), model dtype; None before the first
+        update. Assigning stores a tensor that owns its bytes."""
+        return self.__dict__.get("_latent")
+
+    @latent.setter
+    def latent(self, t: Optional[torch.Tensor]) -> None:
+        self.__dict__["_latent"] = _own(t)
+        self.is_initialized = t is not None
+        if t is not None:
+            self.device = t.device
+            self.dtype = t.dtype
+            self.batch_size = t.shape[0]
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """``c_kv [B, 1, T, kv_lora_rank]``, a view of :attr:`latent` (None before the first update)."""
+        lat = self.latent
+        return None if lat is None else lat[:, None, :, :self.kv_lora_rank]
+
+    @keys.setter
+    def keys(self, t) -> None:
+        if t is not None:
+            raise AttributeError("an MLA cache layer's keys / values are views of its latent; assign `latent`")
+        self.__dict__["_latent"] = None
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        """``k_pe [B, 1, T, qk_rope_head_dim]``, a view of :attr:`latent` (None before the first update)."""
+        lat = self.latent
+        return None if lat is None else lat[:, None, :, self.kv_lora_rank:]
+
+    @values.setter
+    def values(self, t) -> None:
+        if t is not None:
+            raise AttributeError("an MLA cache layer's keys / values are views of its latent; assign `latent`")
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """The tensor held, by name (``latent``)."""
+        return {} if self.latent is None else {"latent": self.latent}
+
+    def nbytes(self) -> int:
+        """Nominal bytes of the latent (``memory_report`` counts the storage behind it)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def _apply(self, fn) -> None:
+        if self.latent is not None:
+            self.latent = fn(self.latent)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: keep rows ``beam_idx`` (in that order)."""
@@ -144,9 +376,125 @@ class _RowOps:
         self._apply(lambda t: t[indices.to(t.device)])
 
 
-class _FixedBuffers:
-    """What a static layer refuses: its buffers have a fixed batch size and fixed addresses (torch.compile / CUDA
-    graphs), so batch changes raise NotImplementedError and offload / prefetch raise ValueError."""
+class DynamicMLALayer(MLALayerMixin, DynamicLayer):
+    """Cache of one MLA layer, growing by concatenation: ``latent [B, T, kv_lora_rank + rope]`` (normalised
+    c_kv | k_pe, model dtype); transformers sees ``keys [B, 1, T, r]`` / ``values [B, 1, T, rope]`` (views).
+
+    Args:
+        kv_lora_rank: ``r``, the width of the ``c_kv`` part.
+    """
+
+    static = False
+
+    def __init__(self, kv_lora_rank: int):
+        self._init_mla(kv_lora_rank)
+        super().__init__()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None) -> None:
+        """Start empty: ``[B, 0, Dl]`` with the batch size, width, dtype and device of ``key_states [B, ..., Dl]``."""
+        self.latent = key_states.new_empty((key_states.shape[0], 0, key_states.shape[-1]))
+
+    def update(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None, *args,
+               **kwargs) -> Tuple[torch.Tensor, None]:
+        """Append ``key_states`` = the new latents ``[B, T, Dl]``; return ``(every cached latent [B, T_all, Dl],
+        None)``.
+
+        Raises:
+            ValueError: the batch size differs from the cached one.
+        """
+        lat = self.latent
+        if lat is None or (lat.shape[1] == 0 and lat.shape[0] == key_states.shape[0]
+                           and lat.dtype == key_states.dtype):
+            self.latent = key_states
+        else:
+            if lat.shape[0] != key_states.shape[0]:
+                raise ValueError(f"cache batch size {lat.shape[0]} does not match the input batch "
+                                 f"{key_states.shape[0]}")
+            self.__dict__["_latent"] = torch.cat([lat, key_states.to(lat.dtype)], dim=1)
+        return self.latent, None
+
+    def get_seq_length(self) -> int:
+        """Tokens held (the latent's length)."""
+        return 0 if self.latent is None else int(self.latent.shape[1])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (a negative int; 0 is a no-op).
+
+        Raises:
+            ValueError: a positive count, or more tokens than the layer holds.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = self.get_seq_length()
+        if -tokens_to_remove > n:
+            raise ValueError(f"cannot remove {-tokens_to_remove} tokens from an MLA layer holding {n}")
+        if tokens_to_remove < 0:
+            self.latent = self.latent[:, :n + tokens_to_remove].clone()
+
+    def reset(self) -> None:
+        """Drop the latent."""
+        self.__dict__["_latent"] = None
+        self.is_initialized = False
+
+    def offload(self) -> None:
+        """Move the latent to the CPU (``prefetch`` brings it back to the layer's device). The copy is blocking:
+        an asynchronous device-to-host copy could be read on the host (save, snapshot) before it lands."""
+        if self.latent is not None:
+            device = self.device
+            self.latent = self.latent.to("cpu")
+            self.device = device
+
+    def prefetch(self) -> None:
+        """Move an offloaded latent back to the layer's device."""
+        if self.latent is not None and self.latent.device != self.device:
+            self.latent = self.latent.to(self.device)
+
+
+class StaticMLALayer(MLALayerMixin, StaticLayer):
+    """Cache of one MLA layer, pre-allocated: ``latent [B, max_cache_len, Dl]`` (transformers sees ``keys
+    [B, 1, max_cache_len, r]`` / ``values [B, 1, max_cache_len, rope]``), written in place at the positions of
+    ``cumulative_length``, which is the container's device counter itself (shared, never advanced here: the container
+    advances it once per forward). Rows past the length are masked by the model. The batch size and the buffer's
+    address are fixed: batch changes raise NotImplementedError, offload / prefetch ValueError.
+
+    Args:
+        max_cache_len: capacity in tokens.
+        kv_lora_rank: ``r``, the width of the ``c_kv`` part.
+    """
+
+    static = True
+
+    def __init__(self, max_cache_len: int, kv_lora_rank: int):
+        self._init_mla(kv_lora_rank)
+        super().__init__(max_cache_len)
+
+    def allocate(self, batch_size: int, width: int, dtype: torch.dtype, device) -> None:
+        """Allocate the zeroed ``[batch_size, max_cache_len, width]`` buffer (a fixed address)."""
+        self.latent = torch.zeros(batch_size, self.max_cache_len, width, dtype=dtype, device=device)
+        _static_address(self.latent)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None) -> None:
+        """Allocate the buffer for the batch size, width, dtype and device of ``key_states [B, ..., Dl]``."""
+        self.allocate(key_states.shape[0], key_states.shape[-1], key_states.dtype, key_states.device)
+
+    def update(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None, *args,
+               **kwargs) -> Tuple[torch.Tensor, None]:
+        """Write the new latents ``[B, T, Dl]`` at positions ``cumulative_length + [0, T)``; return ``(the whole
+        buffer [B, max_cache_len, Dl], None)``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states)
+        idx = self.cumulative_length + torch.arange(key_states.shape[1], device=key_states.device)
+        self.latent.index_copy_(1, idx, key_states.to(self.latent.dtype))
+        return self.latent, None
+
+    def get_seq_length(self) -> int:
+        """Tokens written (the container's counter)."""
+        return int(self.cumulative_length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows ``beam_idx`` copied in place."""
+        if self.latent is not None:
+            self.latent.copy_(self.latent.index_select(0, beam_idx.to(self.latent.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Refused (NotImplementedError): a static layer's batch size is fixed."""
@@ -166,452 +514,6 @@ class _FixedBuffers:
         """Refused (ValueError): static buffers keep fixed addresses."""
         raise ValueError(_NO_STATIC_OFFLOAD)
 
-
-class KDALayer(_RowOps, LinearAttentionCacheLayerMixin):
-    """Cache of one KDA layer (transformers' linear-attention layer API, one state: ``state_idx`` 0).
-
-    ``conv_state [B, C, W-1]`` (C = 3*H*K, the fused q|k|v channels, model dtype; ``conv_states[0]``) and
-    ``recurrent_state [B, H, K, V]`` (float32; ``recurrent_states[0]``); ``None`` until the first forward. Assigning
-    either attribute (or calling ``update_conv_state`` / ``update_recurrent_state``) stores a tensor that owns its
-    bytes (see :func:`_own`). ``record`` holds the rollback anchor and tokens (see the module doc);
-    ``record_past`` mirrors the container's recording switch. Dynamic: batch operations replace the tensors.
-
-    Args:
-        conv_width: ``W - 1``, the number of pre-conv inputs kept (``conv_kernel_size[0]``).
-    """
-
-    layer_type = LINEAR
-    is_sliding = False
-    static = False
-    is_compileable = False  # assigned, not written in place: no fixed addresses
-
-    def __init__(self, conv_width: Optional[int] = None, **kwargs):
-        super().__init__(number_of_states=1)
-        self.conv_kernel_size[0] = conv_width
-        self.record: Optional[Dict[str, Any]] = None
-
-    def __repr__(self):
-        return f"{type(self).__name__}(conv_state={_shape(self.conv_state)}, recurrent_state=" \
-               f"{_shape(self.recurrent_state)})"
-
-    # -- the two states ---------------------------------------------------------------------------------------------
-    @property
-    def conv_state(self) -> Optional[torch.Tensor]:
-        """The conv window ``[B, 3*H*K, W-1]`` (model dtype; oldest input first), or None."""
-        return self.conv_states[0]
-
-    @conv_state.setter
-    def conv_state(self, t: Optional[torch.Tensor]) -> None:
-        self._store(self.conv_states, self.is_conv_states_initialized, t)
-
-    @property
-    def recurrent_state(self) -> Optional[torch.Tensor]:
-        """The recurrent state ``[B, H, K, V]`` (float32), or None."""
-        return self.recurrent_states[0]
-
-    @recurrent_state.setter
-    def recurrent_state(self, t: Optional[torch.Tensor]) -> None:
-        self._store(self.recurrent_states, self.is_recurrent_states_initialized, t)
-
-    def _store(self, slot: dict, flags: dict, t: Optional[torch.Tensor]) -> None:
-        if t is None:
-            slot[0], flags[0] = None, False
-            if not any(self.is_conv_states_initialized.values()) and not any(
-                    self.is_recurrent_states_initialized.values()):
-                self.has_previous_state[0] = False
-            return
-        old = slot[0]
-        if self.static and old is not None and old.shape == t.shape and old.device == t.device \
-                and old.dtype == t.dtype:
-            old.copy_(t)  # keep the fixed address
-        else:
-            slot[0] = _own(t)
-        flags[0] = True
-        self.has_previous_state[0] = True
-        self.device = slot[0].device
-        if slot is self.conv_states:
-            self.dtype = slot[0].dtype
-
-    def lazy_initialization(self, conv_states: Optional[torch.Tensor] = None,
-                            recurrent_states: Optional[torch.Tensor] = None, state_idx: int = 0, **kwargs) -> None:
-        """transformers' hook: adopt the device / dtype of the first states (the tensors are stored by the updates)."""
-        _check_state_idx(state_idx)
-        for t in (conv_states, recurrent_states):
-            if t is not None and self.device is None:
-                self.device = t.device
-        if conv_states is not None:
-            self.dtype = conv_states.dtype
-
-    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Store the conv window ``[B, C, W-1]`` (the W-1 most recent pre-conv inputs, oldest first; a copy when the
-        given tensor is a view of a larger buffer) and return the stored tensor."""
-        _check_state_idx(state_idx)
-        self.conv_state = conv_states
-        return self.conv_state
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Store the recurrent state ``[B, H, K, V]`` (float32) and return the stored tensor."""
-        _check_state_idx(state_idx)
-        self.recurrent_state = recurrent_states
-        return self.recurrent_state
-
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        """The states held, by name (``conv_state``, ``recurrent_state``)."""
-        out = {}
-        if self.conv_state is not None:
-            out["conv_state"] = self.conv_state
-        if self.recurrent_state is not None:
-            out["recurrent_state"] = self.recurrent_state
-        return out
-
-    def record_tensors(self) -> List[torch.Tensor]:
-        """Every tensor of the rollback record (empty without one)."""
-        return [] if not self.record else [t for t in self.record.values() if isinstance(t, torch.Tensor)]
-
-    def nbytes(self) -> int:
-        """Nominal bytes of the states (``memory_report`` counts the storage behind them)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def record_nbytes(self) -> int:
-        """Nominal bytes of the rollback record."""
-        return sum(t.numel() * t.element_size() for t in self.record_tensors())
-
-    # -- transformers' layer operations -----------------------------------------------------------------------------
-    def _apply(self, fn) -> None:
-        for name, t in self.tensors().items():
-            setattr(self, name, fn(t))
-        self.record = None
-
-    def reset(self) -> None:
-        """Forget the state (dynamic: drop the tensors)."""
-        self.conv_state = None
-        self.recurrent_state = None
-        self.has_previous_state[0] = False
-        self.record = None
-
-    def offload(self) -> None:
-        """Move the states to the CPU (``prefetch`` brings them back to the layer's device). The copy is blocking:
-        an asynchronous device-to-host copy could be read on the host (save, snapshot) before it lands."""
-        for name, t in self.tensors().items():
-            device = self.device
-            setattr(self, name, t.to("cpu"))
-            self.device = device
-
-    def prefetch(self) -> None:
-        """Move offloaded states back to the layer's device."""
-        if self.device is None:
-            return
-        device = self.device
-        for name, t in self.tensors().items():
-            if t.device != device:
-                setattr(self, name, t.to(device))
-
-    @property
-    def is_croppable(self) -> bool:
-        """True while a rollback record covers the latest tokens (see :meth:`crop`)."""
-        return self.record is not None
-
-    def activate_past_recording(self) -> None:
-        """transformers' switch; the records themselves are written by the model while the container records."""
-        self.record_past = True
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (a negative int, transformers' convention; 0 is a no-op) by
-        replaying the rollback record.
-
-        Raises:
-            ValueError: a positive count, no record, or a target before the record's anchor.
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        if tokens_to_remove == 0:
-            return
-        rec = self.record
-        if rec is None:
-            raise ValueError("cannot crop a KDA layer without a rollback record: call activate_past_recording() "
-                             "before the forwards to undo")
-        target = rec["end"] + tokens_to_remove
-        if target < rec["anchor"]:
-            raise ValueError(f"cannot remove {-tokens_to_remove} tokens: the record reaches back to position "
-                             f"{rec['anchor']} of {rec['end']}")
-        self.rollback(target)
-
-    # -- rollback record (see the module doc) ----------------------------------------------------------------------
-    RECORD_KEYS = ("q", "k", "v", "g", "beta", "x", "valid")
-
-    def start_record(self, anchor: int, state: torch.Tensor, window: torch.Tensor,
-                     tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
-        """Start a record at position ``anchor`` with ``state [B, H, K, V]`` fp32 and ``window [B, 3P, W-1]`` there,
-        followed by ``tokens`` in position order: ``q, k, v [B, n, H, K]`` (post-conv), ``g [B, n, H, K]``,
-        ``beta [B, n, H]``, ``x [B, n, 3P]`` (pre-conv) and ``valid [B, n]`` bool (False = padding: its k, g and
-        beta are zero, so it leaves the state alone, and it never enters the conv window)."""
-        n = tokens["q"].shape[1]
-        self.record = {"anchor": int(anchor), "end": int(anchor) + n, "state": state.detach().clone(),
-                       "window": window.detach().clone()}
-        for name in self.RECORD_KEYS:
-            self.record[name] = tokens[name].detach().clone()
-        self._bound_record(max_tokens)
-
-    def extend_record(self, tokens: Dict[str, torch.Tensor], max_tokens: int) -> None:
-        """Append the tokens of the next forward call (same layout as :meth:`start_record`)."""
-        rec = self.record
-        for name in self.RECORD_KEYS:
-            rec[name] = torch.cat([rec[name], tokens[name].detach().to(rec[name].dtype)], dim=1)
-        rec["end"] += tokens["q"].shape[1]
-        self._bound_record(max_tokens)
-
-    def _bound_record(self, max_tokens: int) -> None:
-        """Past ``2 * max_tokens`` recorded tokens, move the anchor so that ``max_tokens`` stay (one replay of the
-        dropped tokens)."""
-        rec = self.record
-        n = rec["end"] - rec["anchor"]
-        if n > 2 * max_tokens:
-            d = n - max_tokens
-            rec["state"], rec["window"] = replay_record(rec, d)
-            rec["anchor"] += d
-            for name in self.RECORD_KEYS:
-                rec[name] = rec[name][:, d:].contiguous()
-
-    def rollback(self, target: int) -> None:
-        """Set the conv window and recurrent state to their values at position ``target`` (inside the record);
-        the record is trimmed to end there (static layers copy into their buffers)."""
-        rec = self.record
-        m = target - rec["anchor"]
-        state, window = replay_record(rec, m)
-        for name in self.RECORD_KEYS:
-            rec[name] = rec[name][:, :m]
-        rec["end"] = int(target)
-        # (the replayed tensors may be the record's own anchor tensors: store copies)
-        self.conv_state = window.clone()
-        self.recurrent_state = state.clone()
-
-
-class StaticKDALayer(_FixedBuffers, KDALayer):
-    """:class:`KDALayer` with both states pre-allocated (:meth:`allocate`, or transformers' lazy initialisation at
-    the first update) and written in place, so their addresses never change (torch.compile / CUDA graphs). Zeroed
-    buffers are the "no state yet" state; the batch size is fixed."""
-
-    static = True
-    is_compileable = True
-
-    def allocate(self, batch_size: int, channels: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device) -> None:
-        """Allocate zeroed ``conv_state [batch_size, channels, W-1]`` (``dtype``) and ``recurrent_state
-        [batch_size, heads, head_dim, head_dim]`` (float32) on ``device``."""
-        conv = torch.zeros(batch_size, channels, self.conv_kernel_size[0], dtype=dtype, device=device)
-        state = torch.zeros(batch_size, heads, head_dim, head_dim, dtype=torch.float32, device=device)
-        self.conv_states[0], self.recurrent_states[0] = conv, state
-        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
-        self.has_previous_state[0] = False
-        self.device, self.dtype = conv.device, conv.dtype
-        _static_address(conv)
-        _static_address(state)
-
-    def lazy_initialization(self, conv_states: Optional[torch.Tensor] = None,
-                            recurrent_states: Optional[torch.Tensor] = None, state_idx: int = 0, **kwargs) -> None:
-        """transformers' hook: allocate zeroed buffers shaped like the given states (fixed addresses from then on)."""
-        _check_state_idx(state_idx)
-        for t, slot, flags in ((conv_states, self.conv_states, self.is_conv_states_initialized),
-                               (recurrent_states, self.recurrent_states, self.is_recurrent_states_initialized)):
-            if t is not None and slot[0] is None:
-                slot[0] = torch.zeros_like(t, memory_format=torch.contiguous_format)
-                flags[0] = True
-                self.device = t.device
-                _static_address(slot[0])
-
-    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Copy the window into the buffer (allocated at the first call); return the buffer."""
-        if self.conv_state is None:
-            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
-        return super().update_conv_state(conv_states, state_idx)
-
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        """Copy the state into the buffer (allocated at the first call); return the buffer."""
-        if self.recurrent_state is None:
-            self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
-        return super().update_recurrent_state(recurrent_states, state_idx)
-
-    def reset(self) -> None:
-        """Zero the buffers in place (their addresses stay)."""
-        for t in self.tensors().values():
-            t.zero_()
-        self.has_previous_state[0] = False
-        self.record = None
-
-
-
-_NO_STATIC_OFFLOAD = ("a static KimiHybridCache keeps its buffers at fixed addresses (torch.compile / CUDA graphs); "
-                      "offloading would move them. Use a dynamic cache, KimiHybridCache(config, offloading=True), "
-                      "to offload the MLA latents to the CPU")
-
-
-def _check_state_idx(state_idx: int) -> None:
-    if state_idx != 0:
-        raise ValueError(f"a KDA layer holds one conv / recurrent state (state_idx=0), got state_idx={state_idx}")
-
-
-def _shape(t: Optional[torch.Tensor]):
-    return None if t is None else tuple(t.shape)
-
-
-def replay_record(rec: Dict[str, Any], m: int):
-    """Run the recorded recurrence and conv window forward ``m`` tokens from the anchor.
-    Returns ``(state [B, H, K, V] fp32, window [B, 3P, W-1])`` at position ``anchor + m``."""
-    state, window = rec["state"], rec["window"]
-    if m <= 0:
-        return state, window
-    args = [rec[name][:, :m] for name in ("q", "k", "v", "g", "beta")]
-    run = kda_recurrent if m <= 64 else kda_chunk
-    with torch.no_grad():
-        _, state = run(*args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    B, C, W1 = window.shape
-    x = torch.cat([window, rec["x"][:, :m].transpose(1, 2).to(window.dtype)], dim=-1)  # [B, C, W1 + m]
-    valid = rec["valid"][:, :m]
-    if bool(valid.all()):
-        return state, x[..., x.shape[-1] - W1:]
-    # the last W-1 real inputs of each row, oldest first (pads never enter the window)
-    valid = torch.cat([valid.new_ones(B, W1), valid], dim=1)
-    order = (~valid).to(torch.int8).argsort(dim=1, stable=True)  # real columns first, in order
-    pick = valid.sum(1, keepdim=True) - W1 + torch.arange(W1, device=valid.device).unsqueeze(0)
-    cols = order.gather(1, pick)
-    return state, x.gather(2, cols.unsqueeze(1).expand(B, C, W1))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# MLA layers
-# ----------------------------------------------------------------------------------------------------------------
-
-class MLALayerMixin(_RowOps):
-    """What both MLA layer classes share: the latent ``[B, T or max_cache_len, kv_lora_rank + rope]`` (model dtype)
-    is the layer's ``keys``; ``values`` stays ``None`` (the latent serves as both)."""
-
-    layer_type = FULL
-
-    def __repr__(self):
-        return f"{type(self).__name__}(latent={_shape(self.keys)})"
-
-    @property
-    def latent(self) -> Optional[torch.Tensor]:
-        """``[B, T, Dl]`` (dynamic) or ``[B, max_cache_len, Dl]`` (static), model dtype; None before the first
-        update. Assigning stores a tensor that owns its bytes."""
-        return self.keys
-
-    @latent.setter
-    def latent(self, t: Optional[torch.Tensor]) -> None:
-        self.keys = _own(t)
-        self.is_initialized = t is not None
-        if t is not None:
-            self.device = t.device
-            self.batch_size = t.shape[0]
-
-    def tensors(self) -> Dict[str, torch.Tensor]:
-        """The tensor held, by name (``latent``)."""
-        return {} if self.keys is None else {"latent": self.keys}
-
-    def nbytes(self) -> int:
-        """Nominal bytes of the latent (``memory_report`` counts the storage behind it)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-
-class DynamicMLALayer(MLALayerMixin, DynamicLayer):
-    """Cache of one MLA layer, growing by concatenation: ``latent [B, T, kv_lora_rank + rope]`` (normalised
-    c_kv | k_pe, model dtype), stored as the layer's ``keys`` (``values`` stays ``None``: the latent is both)."""
-
-    static = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None) -> None:
-        """Start empty: ``[B, 0, Dl]`` with the batch size, width, dtype and device of ``key_states [B, ..., Dl]``."""
-        self.latent = key_states.new_empty((key_states.shape[0], 0, key_states.shape[-1]))
-
-    def update(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None, *args,
-               **kwargs) -> Tuple[torch.Tensor, None]:
-        """Append ``key_states`` = the new latents ``[B, T, Dl]``; return ``(every cached latent [B, T_all, Dl],
-        None)``.
-
-        Raises:
-            ValueError: the batch size differs from the cached one.
-        """
-        if self.keys is None or (self.keys.shape[1] == 0 and self.keys.shape[0] == key_states.shape[0]
-                                 and self.keys.dtype == key_states.dtype):
-            self.latent = key_states
-        else:
-            if self.keys.shape[0] != key_states.shape[0]:
-                raise ValueError(f"cache batch size {self.keys.shape[0]} does not match the input batch "
-                                 f"{key_states.shape[0]}")
-            self.keys = torch.cat([self.keys, key_states.to(self.keys.dtype)], dim=1)
-        return self.keys, None
-
-    def get_seq_length(self) -> int:
-        """Tokens held (the latent's length)."""
-        return 0 if self.keys is None else int(self.keys.shape[1])
-
-    def _apply(self, fn) -> None:
-        if self.keys is not None:
-            self.latent = fn(self.keys)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (a negative int; 0 is a no-op).
-
-        Raises:
-            ValueError: a positive count, or more tokens than the layer holds.
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        n = self.get_seq_length()
-        if -tokens_to_remove > n:
-            raise ValueError(f"cannot remove {-tokens_to_remove} tokens from an MLA layer holding {n}")
-        if tokens_to_remove < 0:
-            self.keys = self.keys[:, :n + tokens_to_remove].clone()
-
-    def reset(self) -> None:
-        """Drop the latent."""
-        self.keys = self.values = None
-        self.is_initialized = False
-
-    def offload(self) -> None:
-        """Move the latent to the CPU (``prefetch`` brings it back to the layer's device). The copy is blocking:
-        an asynchronous device-to-host copy could be read on the host (save, snapshot) before it lands."""
-        if self.keys is not None:
-            self.keys = self.keys.to("cpu")
-
-    def prefetch(self) -> None:
-        """Move an offloaded latent back to the layer's device."""
-        if self.keys is not None and self.keys.device != self.device:
-            self.keys = self.keys.to(self.device)
-
-
-class StaticMLALayer(_FixedBuffers, MLALayerMixin, StaticLayer):
-    """Cache of one MLA layer, pre-allocated: ``latent [B, max_cache_len, Dl]`` (``keys``; ``values`` stays
-    ``None``), written in place at the positions of ``cumulative_length``, which is the container's device counter
-    itself (shared, never advanced here: the container advances it once per forward). Rows past the length are
-    masked by the model."""
-
-    static = True
-
-    def allocate(self, batch_size: int, width: int, dtype: torch.dtype, device) -> None:
-        """Allocate the zeroed ``[batch_size, max_cache_len, width]`` buffer (a fixed address)."""
-        self.latent = torch.zeros(batch_size, self.max_cache_len, width, dtype=dtype, device=device)
-        _static_address(self.keys)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None) -> None:
-        """Allocate the buffer for the batch size, width, dtype and device of ``key_states [B, ..., Dl]``."""
-        self.allocate(key_states.shape[0], key_states.shape[-1], key_states.dtype, key_states.device)
-
-    def update(self, key_states: torch.Tensor, value_states: Optional[torch.Tensor] = None, *args,
-               **kwargs) -> Tuple[torch.Tensor, None]:
-        """Write the new latents ``[B, T, Dl]`` at positions ``cumulative_length + [0, T)``; return ``(the whole
-        buffer [B, max_cache_len, Dl], None)``."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
-        idx = self.cumulative_length + torch.arange(key_states.shape[1], device=key_states.device)
-        self.keys.index_copy_(1, idx, key_states.to(self.keys.dtype))
-        return self.keys, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: rows ``beam_idx`` copied in place."""
-        if self.keys is not None:
-            self.keys.copy_(self.keys.index_select(0, beam_idx.to(self.keys.device)))
-
     def crop(self, tokens_to_remove: int) -> None:
         """Nothing to move: the container's counter goes back, and later writes overwrite the stale rows."""
         if tokens_to_remove > 0:
@@ -619,14 +521,14 @@ class StaticMLALayer(_FixedBuffers, MLALayerMixin, StaticLayer):
 
     def reset(self) -> None:
         """Zero the buffer in place (the container resets the counter)."""
-        if self.keys is not None:
-            self.keys.zero_()
+        if self.latent is not None:
+            self.latent.zero_()
 
 
+_NO_STATIC_OFFLOAD = ("a static KimiHybridCache keeps its buffers at fixed addresses (torch.compile / CUDA graphs); "
+                      "offloading would move them. Use a dynamic cache, KimiHybridCache(config, offloading=True), "
+                      "to offload the MLA latents to the CPU")
 
-# the names the per-layer classes had before they were built on transformers' layer API (isinstance checks)
-KDALayerCache = KDALayer
-MLALayerCache = MLALayerMixin
 
 # ----------------------------------------------------------------------------------------------------------------
 # the container
@@ -635,11 +537,16 @@ MLALayerCache = MLALayerMixin
 class KimiHybridCache(Cache):
     """Hybrid cache for :class:`KimiHybridForCausalLM` (a ``transformers`` ``Cache`` built from its layer API).
 
+    ``KimiHybridCache(config)`` builds a :class:`KimiHybridDynamicCache` (a transformers ``DynamicCache``), and
+    ``KimiHybridCache(config, max_cache_len=N)`` a :class:`KimiHybridStaticCache` (a transformers ``StaticCache``);
+    both are ``KimiHybridCache`` instances and share everything below.
+
     Args:
         config: a ``KimiHybridConfig`` (its ``layer_types`` decide each layer's class).
-        max_cache_len: None for a dynamic cache (:class:`KDALayer` + :class:`DynamicMLALayer`); an int for the
-            static / pre-allocated mode (:class:`StaticKDALayer` + :class:`StaticMLALayer`; CUDA graphs,
-            ``torch.compile``), whose batch size is fixed by the first forward (or given here).
+        max_cache_len: None for a dynamic cache (KDA: transformers' ``LinearAttentionLayer``; MLA:
+            :class:`DynamicMLALayer`); an int for the static / pre-allocated mode (``LinearAttentionLayer`` +
+            :class:`StaticMLALayer`; CUDA graphs, ``torch.compile``), whose batch size is fixed by the first forward
+            (or given here).
         batch_size, dtype, device: optional eager allocation of the static buffers (as ``early_initialization``).
         offloading: dynamic mode only: keep each MLA latent on the CPU between its layer's uses (moved to the
             device for the layer's update and attention, back after it); the small KDA states stay on the device.
@@ -654,6 +561,11 @@ class KimiHybridCache(Cache):
         ValueError: ``max_cache_len`` not a positive int, a layer type other than ``linear_attention`` /
             ``full_attention``, or ``offloading`` with a static cache.
     """
+
+    def __new__(cls, config=None, max_cache_len: Optional[int] = None, *args, **kwargs):
+        if cls is KimiHybridCache:
+            cls = KimiHybridDynamicCache if max_cache_len is None else KimiHybridStaticCache
+        return object.__new__(cls)
 
     def __init__(self, config, max_cache_len: Optional[int] = None, batch_size: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
@@ -672,7 +584,8 @@ class KimiHybridCache(Cache):
                              f"{FULL!r} (MLA) layers only")
         self._max_cache_len = max_cache_len
         self.static = max_cache_len is not None
-        super().__init__(layers=[self._new_layer(t) for t in self.layer_types])
+        # transformers' Cache.__init__ (not DynamicCache's / StaticCache's, which would build per-head layers)
+        Cache.__init__(self, layers=[self._new_layer(t) for t in self.layer_types])
         self.offloading = bool(offloading)
         self.fingerprint = config_fingerprint(config)
         self._pos = None  # static mode: device counter (the length lives there)
@@ -680,15 +593,17 @@ class KimiHybridCache(Cache):
         self.key_mask: Optional[torch.Tensor] = None
         self.last_hidden: Optional[torch.Tensor] = None  # dynamic mode: [B, D] of each row's last real token
         self.recording = False
+        # the rollback record of each KDA layer while recording (None elsewhere; see KDARecord)
+        self.records: List[Optional[KDARecord]] = [None] * len(self.layer_types)
         self._static_ready = False
         if self.static and batch_size is not None:
             self._allocate_static(batch_size, dtype or torch.get_default_dtype(), device or torch.device("cpu"))
 
     def _new_layer(self, layer_type: str):
         if layer_type == LINEAR:
-            cls = StaticKDALayer if self.static else KDALayer
-            return cls(conv_width=self._dims()[2] - 1)
-        return StaticMLALayer(self._max_cache_len) if self.static else DynamicMLALayer()
+            return new_kda_layer(self._dims()[2])
+        r = int(self.config.kv_lora_rank)
+        return StaticMLALayer(self._max_cache_len, r) if self.static else DynamicMLALayer(r)
 
     # -- the position counter ----------------------------------------------------------------------------------------
     @property
@@ -725,8 +640,11 @@ class KimiHybridCache(Cache):
     def _allocate_static(self, batch_size: int, dtype: torch.dtype, device) -> None:
         H, K, W, Dl = self._dims()
         for layer in self.layers:
-            if isinstance(layer, StaticKDALayer):
-                layer.allocate(batch_size, 3 * H * K, H, K, dtype, device)
+            if is_kda_layer(layer):
+                kda_drop(layer)
+                kda_store(layer, torch.zeros(batch_size, 3 * H * K, W, dtype=dtype, device=device),
+                          torch.zeros(batch_size, H, K, K, dtype=torch.float32, device=device), fixed=True)
+                layer.has_previous_state[0] = False
             else:
                 layer.allocate(batch_size, Dl, dtype, device)
         self.key_mask = torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool, device=device)
@@ -747,12 +665,13 @@ class KimiHybridCache(Cache):
 
     def early_initialization(self, batch_size: int, num_heads: Any = None, head_dim: Any = None,
                              dtype: Optional[torch.dtype] = None, device=None) -> None:
-        """transformers' eager allocation (``torch.export``, compiled chunked prefill). The widths come from the
-        config, so ``num_heads`` / ``head_dim`` (transformers' per-head K/V shape) are accepted and ignored.
+        """transformers' eager allocation (``torch.export``, compiled chunked prefill); the widths come from the
+        config.
 
         Static: allocate every buffer for ``batch_size`` rows in ``dtype`` (default: torch's default dtype) on
         ``device`` (default CPU). Dynamic: start each MLA latent empty ``[batch_size, 0, Dl]`` and the key mask
         ``[batch_size, 0]`` (KDA states are created by the first forward, as transformers' linear layers are).
+        ``num_heads`` / ``head_dim``: transformers' per-head K/V shape; accepted and ignored.
 
         Raises:
             ValueError: a static cache already allocated for another batch size, or a dynamic cache that already
@@ -783,7 +702,7 @@ class KimiHybridCache(Cache):
 
     def __repr__(self):
         mode = f"static(max_cache_len={self.max_cache_len})" if self.static else "dynamic"
-        return (f"KimiHybridCache({mode}, seen_tokens={self.get_seq_length()}, "
+        return (f"{type(self).__name__}({mode}, seen_tokens={self.get_seq_length()}, "
                 f"kda_layers={self.layer_types.count(LINEAR)}, mla_layers={self.layer_types.count(FULL)})")
 
     @property
@@ -806,8 +725,11 @@ class KimiHybridCache(Cache):
         return int(self.seen_tokens)
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        """``max_cache_len`` (static) or -1 (dynamic: no maximum)."""
-        return -1 if not self.static else int(self.max_cache_len)
+        """``max_cache_len`` (static) or -1 (dynamic: no maximum); -1 for a KDA layer (``layer_idx`` given), which
+        has no sequence dimension."""
+        if not self.static or (layer_idx is not None and self.layer_types[layer_idx] == LINEAR):
+            return -1
+        return int(self.max_cache_len)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
         """``(kv_length, kv_offset)`` for transformers' mask builders: the buffer length (static) or the tokens
@@ -825,22 +747,30 @@ class KimiHybridCache(Cache):
         return self.seen_tokens > 0
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
-        """KDA layer ``layer_idx``'s conv window ``[B, 3P, W-1]``, or None before its first state (any transformers
-        version; transformers' own getter appeared in 5.21)."""
-        layer = self._kda(layer_idx)
-        _check_state_idx(state_idx)
-        return layer.conv_state if layer.has_previous_state[0] else None
+        """KDA layer ``layer_idx``'s conv window ``[B, 3P, W]`` (the last W pre-conv inputs, oldest first), or None
+        before its first state (any transformers version; transformers' own getter appeared in 5.21).
+
+        Raises:
+            ValueError: an MLA layer, or ``state_idx`` other than 0.
+        """
+        layer = self._kda(layer_idx, state_idx)
+        return layer.conv_states[0] if layer.has_previous_state[0] else None
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Optional[torch.Tensor]:
-        """KDA layer ``layer_idx``'s recurrent state ``[B, H, K, V]`` fp32, or None before its first state."""
-        layer = self._kda(layer_idx)
-        _check_state_idx(state_idx)
-        return layer.recurrent_state if layer.has_previous_state[0] else None
+        """KDA layer ``layer_idx``'s recurrent state ``[B, H, K, V]`` fp32, or None before its first state.
 
-    def _kda(self, layer_idx: int) -> KDALayer:
+        Raises:
+            ValueError: an MLA layer, or ``state_idx`` other than 0.
+        """
+        layer = self._kda(layer_idx, state_idx)
+        return layer.recurrent_states[0] if layer.has_previous_state[0] else None
+
+    def _kda(self, layer_idx: int, state_idx: int = 0) -> LinearAttentionLayer:
         layer = self.layers[layer_idx]
-        if not isinstance(layer, KDALayer):
+        if not is_kda_layer(layer):
             raise ValueError(f"layer {layer_idx} is a {self.layer_types[layer_idx]} (MLA) layer, not a KDA layer")
+        if state_idx != 0:
+            raise ValueError(f"a KDA layer holds one conv / recurrent state (state_idx=0), got state_idx={state_idx}")
         return layer
 
     @property
@@ -879,19 +809,15 @@ class KimiHybridCache(Cache):
         return [False] * len(self.layers)
 
     def activate_past_recording(self) -> None:
-        """Keep what ``crop`` needs to roll the KDA states back (assisted decoding; see the module doc)."""
+        """Keep what ``crop`` needs to roll the KDA states back (assisted decoding; see the module doc). The KDA
+        layers' own ``record_past`` stays off: their conv windows keep their fixed width W, and the records are kept
+        here (``records``)."""
         self.recording = True
-        for layer in self.layers:
-            if isinstance(layer, KDALayer):
-                layer.record_past = True
 
     def deactivate_past_recording(self) -> None:
         """Stop recording and drop the rollback records (frees their memory)."""
         self.recording = False
-        for layer in self.layers:
-            if isinstance(layer, KDALayer):
-                layer.record_past = False
-                layer.record = None
+        self.records = [None] * len(self.layers)
 
     def is_recording_past(self, layer_idx: int = 0) -> bool:
         """Whether rollback records are kept (the same for every layer)."""
@@ -909,7 +835,15 @@ class KimiHybridCache(Cache):
         Raises:
             ValueError: a static cache (fixed buffer addresses).
         """
-        self.layers[layer_idx].offload()
+        if self.static:
+            raise ValueError(_NO_STATIC_OFFLOAD)
+        layer = self.layers[layer_idx]
+        if is_kda_layer(layer):  # blocking (transformers' own is asynchronous: a host read could race it)
+            device = layer.device
+            kda_map_rows(layer, lambda t: t.to("cpu"))
+            layer.device = device
+        else:
+            layer.offload()
 
     def prefetch(self, layer_idx: int, only_non_sliding: bool = True) -> None:
         """Move layer ``layer_idx``'s offloaded tensors back to its device (synchronously).
@@ -917,7 +851,14 @@ class KimiHybridCache(Cache):
         Raises:
             ValueError: a static cache (fixed buffer addresses).
         """
-        self.layers[layer_idx].prefetch()
+        if self.static:
+            raise ValueError(_NO_STATIC_OFFLOAD)
+        layer = self.layers[layer_idx]
+        if is_kda_layer(layer):
+            if layer.device is not None:
+                kda_map_rows(layer, lambda t: t.to(layer.device))
+        else:
+            layer.prefetch()
 
     # -- used by the layers --------------------------------------------------------------------------------------
     def mla_update(self, layer_idx: int, new_latent: torch.Tensor) -> torch.Tensor:
@@ -962,7 +903,7 @@ class KimiHybridCache(Cache):
             self._seen += int(num_tokens)
         if not _compiling():
             for layer in self.layers:
-                if isinstance(layer, KDALayer) and layer.recurrent_state is not None:
+                if is_kda_layer(layer) and layer.recurrent_states[0] is not None:
                     layer.has_previous_state[0] = True
 
     # -- batch reshaping (beam search, sampling with num_return_sequences, agent forks) -------------------------
@@ -972,11 +913,27 @@ class KimiHybridCache(Cache):
         if self.last_hidden is not None:
             self.last_hidden = fn(self.last_hidden)
 
+    def _map_all(self, fn) -> None:
+        """Apply a batch-row map to every layer (dynamic cache) and to the container's per-row tensors; drops the
+        rollback records."""
+        self.records = [None] * len(self.layers)
+        for layer in self.layers:
+            if is_kda_layer(layer):
+                kda_map_rows(layer, fn)
+            else:
+                layer._apply(fn)
+        self._map_rows(fn)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: select rows ``beam_idx`` of every KDA conv/recurrent state and MLA latent (drops the
-        rollback records)."""
+        rollback records; a static cache's buffers are written in place)."""
+        self.records = [None] * len(self.layers)
         for layer in self.layers:
-            layer.reorder_cache(beam_idx)
+            if is_kda_layer(layer) and self.static:
+                for t in kda_tensors(layer).values():
+                    t.copy_(t.index_select(0, beam_idx.to(t.device)))
+            else:
+                layer.reorder_cache(beam_idx)
         if self.static:
             self.key_mask.copy_(self.key_mask.index_select(0, beam_idx.to(self.key_mask.device)))
             return
@@ -986,22 +943,26 @@ class KimiHybridCache(Cache):
         """Repeat every row ``repeats`` times (row order b0,b0,...,b1,b1,...). Dynamic cache only."""
         if self.static:
             raise NotImplementedError("batch_repeat_interleave changes the batch size; use a dynamic cache or fork()")
-        for layer in self.layers:
-            layer.batch_repeat_interleave(repeats)
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_all(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only rows ``indices``. Dynamic cache only."""
         if self.static:
             raise NotImplementedError("batch_select_indices changes the batch size; use a dynamic cache")
-        for layer in self.layers:
-            layer.batch_select_indices(indices)
-        self._map_rows(lambda t: t[indices.to(t.device)])
+        self._map_all(lambda t: t[indices.to(t.device)])
 
     def reset(self) -> None:
         """Forget every token (static buffers are zeroed in place, keeping their addresses)."""
+        self.records = [None] * len(self.layers)
         for layer in self.layers:
-            layer.reset()
+            if not is_kda_layer(layer):
+                layer.reset()
+            elif self.static:  # zero in place: the addresses stay
+                for t in kda_tensors(layer).values():
+                    t.zero_()
+                layer.has_previous_state[0] = False
+            else:
+                kda_drop(layer)
         if self.static and self._static_ready:
             self.key_mask.zero_()
             self._pos.zero_()
@@ -1039,10 +1000,10 @@ class KimiHybridCache(Cache):
             return
         # KDA layers first (they may refuse): nothing is changed unless every layer can roll back
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, KDALayer):
-                rec = layer.record
-                if rec is None or rec["end"] != cur or not (rec["anchor"] <= target <= rec["end"]):
-                    window = None if rec is None or rec["end"] != cur else (rec["anchor"], rec["end"])
+            if is_kda_layer(layer):
+                rec = self.records[i]
+                if rec is None or rec.end != cur or not (rec.anchor <= target <= rec.end):
+                    window = None if rec is None or rec.end != cur else (rec.anchor, rec.end)
                     raise ValueError(
                         f"cannot crop KDA layer {i} from {cur} to {target} tokens: a recurrent state can only be "
                         f"rolled back inside its recorded window {window} (positions [anchor, end]). Call "
@@ -1050,8 +1011,12 @@ class KimiHybridCache(Cache):
                         f"recording off, ends the record), undo at most kda_record_max_tokens="
                         f"{self.config.kda_record_max_tokens} tokens, or use snapshot()/restore() for longer "
                         f"rollbacks")
-        for layer in self.layers:
-            layer.crop(target - cur)
+        for i, layer in enumerate(self.layers):
+            if is_kda_layer(layer):
+                state, window = self.records[i].rollback(target)
+                kda_store(layer, window, state, fixed=self.static)
+            else:
+                layer.crop(target - cur)
         if self.key_mask is not None and not self.static:
             self.key_mask = self.key_mask[:, :target].clone()
         self.last_hidden = None  # it belonged to a removed token
@@ -1065,13 +1030,16 @@ class KimiHybridCache(Cache):
         """A detached deep copy of the cache (rollback records dropped; the recording switch is kept)."""
         new = KimiHybridCache(self.config, max_cache_len=self.max_cache_len, offloading=self.offloading)
         for a, b in zip(new.layers, self.layers):
-            for name, t in b.tensors().items():
-                setattr(a, name, t.detach().clone())
-            if isinstance(b, KDALayer):
+            if is_kda_layer(b):
+                t = kda_tensors(b)
+                kda_store(a, *(t[n].detach().clone() if n in t else None for n in ("conv_state", "recurrent_state")))
                 a.has_previous_state[0] = b.has_previous_state[0]
                 a.device = b.device
-            elif b.is_initialized:
-                a.device = b.device
+            else:
+                if b.latent is not None:
+                    a.latent = b.latent.detach().clone()
+                if b.is_initialized:
+                    a.device = b.device
         new.key_mask = None if self.key_mask is None else self.key_mask.clone()
         new.last_hidden = None if self.last_hidden is None else self.last_hidden.detach().clone()
         new._pos = None if self._pos is None else self._pos.clone()
@@ -1109,18 +1077,24 @@ class KimiHybridCache(Cache):
         if self.static and self._static_ready:
             if not snap.static or snap.max_cache_len != self.max_cache_len:
                 raise ValueError("a static cache can only restore a snapshot of a static cache of the same size")
+            self.records = [None] * len(self.layers)  # they described the history that was just replaced
             for a, b in zip(self.layers, snap.layers):
-                for name, t in a.tensors().items():
-                    t.copy_(getattr(b, name))
-                if isinstance(a, KDALayer):
-                    a.record = None  # it described the history that was just replaced
+                if is_kda_layer(a):
+                    tb = kda_tensors(b)
+                    for name, t in kda_tensors(a).items():
+                        t.copy_(tb[name])
                     a.has_previous_state[0] = b.has_previous_state[0]
+                else:
+                    a.latent.copy_(b.latent)
             self.key_mask.copy_(snap.key_mask)
             self._pos.copy_(snap._pos)
             self.seen_tokens = snap.seen_tokens
             return
+        if snap.static != self.static:
+            raise ValueError(f"cannot restore a {'static' if snap.static else 'dynamic'} snapshot into a "
+                             f"{'static' if self.static else 'dynamic'} cache; restore into a snapshot's own kind "
+                             "(or use the snapshot itself)")
         other = snap.snapshot()
-        self.static = other.static
         self.max_cache_len = other.max_cache_len
         self.layers = other.layers
         self.key_mask = other.key_mask
@@ -1128,9 +1102,7 @@ class KimiHybridCache(Cache):
         self._pos = other._pos
         self._seen = other._seen
         self._static_ready = other._static_ready
-        for layer in self.layers:
-            if isinstance(layer, KDALayer):
-                layer.record_past = self.recording
+        self.records = [None] * len(self.layers)
 
     def save(self, path: str) -> None:
         """Save to a safetensors file (format ``kimi-hybrid-cache`` v1): tensors, the config fingerprint, the length
@@ -1139,7 +1111,7 @@ class KimiHybridCache(Cache):
 
         tensors: Dict[str, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            for name, t in layer.tensors().items():
+            for name, t in layer_tensors(layer).items():
                 tensors[f"layers.{i}.{name}"] = t.detach().contiguous().cpu()
         if self.key_mask is not None:
             tensors["key_mask"] = self.key_mask.detach().to(torch.uint8).contiguous().cpu()
@@ -1171,9 +1143,10 @@ class KimiHybridCache(Cache):
             meta = f.metadata() or {}
             if meta.get("format") != CACHE_FORMAT:
                 raise ValueError(f"{path} is not a kimi-hybrid cache file (metadata format={meta.get('format')!r})")
-            if meta.get("version") != str(CACHE_FORMAT_VERSION):
-                raise ValueError(f"{path} has cache format version {meta.get('version')}; this code reads version "
-                                 f"{CACHE_FORMAT_VERSION}")
+            if meta.get("version") not in [str(v) for v in READABLE_VERSIONS]:
+                raise ValueError(f"{path} has cache format version {meta.get('version')}; this code reads versions "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))}")
+            version = int(meta["version"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         if _checksum(tensors) != meta.get("sha256"):
             raise ValueError(f"{path}: checksum mismatch, the file is corrupt")
@@ -1182,7 +1155,8 @@ class KimiHybridCache(Cache):
         if fp != want:
             raise ValueError(f"{path} was saved from a model whose config does not match this one: {_diff(fp, want)}")
         max_len = json.loads(meta.get("static", "null"))
-        cache = cls(config, max_cache_len=max_len)
+        cache = KimiHybridCache(config, max_cache_len=max_len)
+        W = int(config.linear_attn_config["short_conv_kernel_size"])
         for key, t in tensors.items():
             if key == "key_mask":
                 cache.key_mask = t.bool()
@@ -1191,26 +1165,40 @@ class KimiHybridCache(Cache):
                 cache.last_hidden = t
                 continue
             _, i, name = key.split(".", 2)
-            setattr(cache.layers[int(i)], name, t)
+            layer = cache.layers[int(i)]
+            if name == "conv_state":
+                if version == 1 and t.shape[-1] == W - 1:
+                    # version 1 kept the W-1 newest inputs; the oldest of a W-wide window is never read by the
+                    # convolution of the next token, so a zero column there is exact
+                    t = torch.nn.functional.pad(t, (1, 0))
+                kda_store(layer, conv_state=t, fixed=cache.static)
+            elif name == "recurrent_state":
+                kda_store(layer, recurrent_state=t, fixed=cache.static)
+            elif name == "latent":
+                layer.latent = t
+            else:
+                raise ValueError(f"{path}: unknown tensor {key!r}")
         seen = int(meta["seen_tokens"])
         if cache.static:
             cache._pos = torch.tensor(seen, dtype=torch.long)
             cache._static_ready = True
         cache.seen_tokens = seen
         for layer in cache.layers:
-            if isinstance(layer, KDALayer):
-                layer.has_previous_state[0] = seen > 0 and layer.recurrent_state is not None
+            if is_kda_layer(layer):
+                layer.has_previous_state[0] = seen > 0 and layer.recurrent_states[0] is not None
         if device is not None:
             cache.to(device)
         return cache
 
     def to(self, device) -> "KimiHybridCache":
         """Move every held tensor to ``device`` (in place; drops the rollback records); returns self."""
+        self.records = [None] * len(self.layers)
         for layer in self.layers:
-            for name, t in layer.tensors().items():
-                setattr(layer, name, t.to(device))
-            if isinstance(layer, KDALayer):
-                layer.record = None
+            if is_kda_layer(layer):
+                kda_map_rows(layer, lambda t: t.to(device))
+                layer.device = torch.device(device)
+            elif layer.latent is not None:
+                layer.latent = layer.latent.to(device)
         if self.key_mask is not None:
             self.key_mask = self.key_mask.to(device)
         if self.last_hidden is not None:
@@ -1227,14 +1215,17 @@ class KimiHybridCache(Cache):
         * ``None``: a new dynamic :class:`KimiHybridCache` when ``use_cache``, else None.
         * a :class:`KimiHybridCache` of this model: that object (it is filled in place and stays valid for the
           caller's next call).
-        * anything else, transformers' ``DynamicCache`` / ``StaticCache`` included, empty or not: refused. Their
-          per-head key / value layers cannot hold this model's state (KDA conv windows and recurrent states, MLA
-          latents, the key-padding history, the rollback records), and decoding into a replacement the caller never
-          sees would make the caller's object silently stale.
+        * an empty transformers ``DynamicCache`` (with or without ``config``) or ``StaticCache`` (its
+          ``max_cache_len``), exactly those classes: adopted in place: the caller's object becomes a
+          :class:`KimiHybridDynamicCache` / :class:`KimiHybridStaticCache` (still the same object, still a
+          ``DynamicCache`` / ``StaticCache``) and is filled by the forward, so the caller's next call with it
+          continues from it, as with any transformers model.
+        * anything else (a cache that already holds tokens, whose layout this model did not write; a quantized,
+          offloaded-static, encoder-decoder or other cache class; a legacy tuple): refused.
 
         Raises:
-            ValueError: a foreign cache (its class named, and what to pass instead), a legacy tuple / list cache, or
-                a KimiHybridCache of a model whose layer plan / widths differ (the differing fields named).
+            ValueError: a refused cache (its class named, and what to pass instead), or a KimiHybridCache of a model
+                whose layer plan / widths differ (the differing fields named).
         """
         if cache is None:
             return cls(config) if use_cache else None
@@ -1245,22 +1236,46 @@ class KimiHybridCache(Cache):
                                  f"this model's config: {_diff(cache.fingerprint, want)})")
             return cache
         fix = ("pass past_key_values=KimiHybridCache(model.config) (add max_cache_len=N for a static, compilable "
-               "cache; `from kimi_hybrid import KimiHybridCache`), or leave it None and read the cache the model "
-               "returns")
-        if isinstance(cache, Cache):
-            try:
-                held = int(cache.get_seq_length())
-            except Exception:  # a cache whose layers cannot report a length (e.g. linear layers only)
-                held = None
-            what = "an empty" if held == 0 else ("a" if held is None else f"a filled ({held} tokens)")
+               "cache; `from kimi_hybrid import KimiHybridCache`), an empty DynamicCache / StaticCache, or leave it "
+               "None and read the cache the model returns")
+        if type(cache) in (DynamicCache, StaticCache):
+            held = _tokens_held(cache)
+            if held == 0:
+                KimiHybridCache._adopt(cache, config)
+                return cache
             raise ValueError(
-                f"past_key_values is {what} {type(cache).__name__}; KimiHybrid keeps its state (KDA conv windows and "
-                "fp32 recurrent states, MLA latents, the key-padding history) in a KimiHybridCache, which a "
-                f"{type(cache).__name__} cannot hold, and it never replaces the caller's cache behind its back: {fix}")
+                f"past_key_values is a {type(cache).__name__} that already holds "
+                f"{'tokens' if held is None else f'{held} tokens'} written by another model or code path; KimiHybrid "
+                "can only fill an empty one (its own layout: KDA conv windows and fp32 recurrent states, MLA "
+                f"latents, the key-padding history) and never decodes into a replacement behind the caller's back: "
+                f"{fix}")
+        if isinstance(cache, Cache):
+            raise ValueError(
+                f"past_key_values is a {type(cache).__name__}; KimiHybrid keeps its state (KDA conv windows and fp32 "
+                "recurrent states, MLA latents, the key-padding history) in a KimiHybridCache (or an empty "
+                f"DynamicCache / StaticCache it adopts), which a {type(cache).__name__} cannot hold, and it never "
+                f"replaces the caller's cache behind its back: {fix}")
         if isinstance(cache, (tuple, list)):
             raise ValueError(f"past_key_values is a legacy {type(cache).__name__} of tensors, which KimiHybrid does "
                              f"not read: {fix}")
-        raise ValueError(f"past_key_values must be a KimiHybridCache or None, got {type(cache).__name__}: {fix}")
+        raise ValueError(f"past_key_values must be a KimiHybridCache, an empty DynamicCache / StaticCache or None, "
+                         f"got {type(cache).__name__}: {fix}")
+
+    @staticmethod
+    def _adopt(cache: Cache, config) -> None:
+        """Turn an empty transformers ``DynamicCache`` / ``StaticCache`` into this model's cache, in place (same
+        object; its ``max_cache_len`` and ``offloading`` kept)."""
+        if isinstance(cache, StaticCache):
+            lens = {int(layer.max_cache_len) for layer in cache.layers if hasattr(layer, "max_cache_len")}
+            if len(lens) != 1:
+                raise ValueError(f"cannot adopt a StaticCache whose layers have capacities {sorted(lens)}")
+            max_len, kind = lens.pop(), KimiHybridStaticCache
+        else:
+            max_len, kind = None, KimiHybridDynamicCache
+        offloading = bool(getattr(cache, "offloading", False)) and max_len is None
+        cache.__class__ = kind
+        cache.__dict__.clear()
+        KimiHybridCache.__init__(cache, config, max_cache_len=max_len, offloading=offloading)
 
     # -- memory ----------------------------------------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
@@ -1291,13 +1306,13 @@ class KimiHybridCache(Cache):
 
         per_layer = []
         kda_state = kda_conv = mla = rec = 0
-        for t, layer in zip(self.layer_types, self.layers):
+        for t, layer, record in zip(self.layer_types, self.layers, self.records):
             if t == LINEAR:
-                s, c = held(layer.recurrent_state), held(layer.conv_state)
+                s, c = held(layer.recurrent_states[0]), held(layer.conv_states[0])
                 kda_state += s
                 kda_conv += c
                 per_layer.append((t, s + c))
-                rec += held(*layer.record_tensors())
+                rec += held(*(record.tensors() if record is not None else ()))
             else:
                 b = held(layer.latent)
                 mla += b
@@ -1309,8 +1324,8 @@ class KimiHybridCache(Cache):
         H, K, W, Dl = self._dims()
         lat_dtype = next((l.latent.element_size() for l in self.layers
                           if isinstance(l, MLALayerMixin) and l.latent is not None), 0)
-        conv_dtype = next((l.conv_state.element_size() for l in self.layers
-                           if isinstance(l, KDALayer) and l.conv_state is not None), 0)
+        conv_dtype = next((l.conv_states[0].element_size() for l in self.layers
+                           if is_kda_layer(l) and l.conv_states[0] is not None), 0)
         n_mla, n_kda = self.layer_types.count(FULL), self.layer_types.count(LINEAR)
         kda = kda_state + kda_conv
         return {
@@ -1326,9 +1341,41 @@ class KimiHybridCache(Cache):
             "counter_bytes": counter,
             "total_bytes": kda + mla + mask + hid + rec + counter,
             "mla_bytes_per_token": B * n_mla * Dl * lat_dtype,
-            "kda_bytes_constant": B * n_kda * (3 * H * K * (W - 1) * conv_dtype + H * K * K * 4),
+            "kda_bytes_constant": B * n_kda * (3 * H * K * W * conv_dtype + H * K * K * 4),
             "per_layer": per_layer,
         }
+
+
+class KimiHybridDynamicCache(KimiHybridCache, DynamicCache):
+    """The dynamic :class:`KimiHybridCache` (``KimiHybridCache(config)``): MLA latents grow by concatenation; a
+    transformers ``DynamicCache``. See :class:`KimiHybridCache` for the arguments."""
+
+
+class KimiHybridStaticCache(KimiHybridCache, StaticCache):
+    """The static :class:`KimiHybridCache` (``KimiHybridCache(config, max_cache_len=N)``): every buffer
+    pre-allocated with a fixed address; a transformers ``StaticCache``. See :class:`KimiHybridCache`."""
+
+    def __init__(self, config, max_cache_len: Optional[int] = None, *args, **kwargs):
+        if max_cache_len is None:
+            raise ValueError("KimiHybridStaticCache needs max_cache_len (a positive int); use KimiHybridCache(config) "
+                             "for a dynamic cache")
+        super().__init__(config, max_cache_len, *args, **kwargs)
+
+
+def _tokens_held(cache: Cache) -> Optional[int]:
+    """Tokens a transformers cache holds (0 when no layer holds a tensor), or None when it cannot tell."""
+    if not any(getattr(layer, "is_initialized", False) or any(getattr(layer, "is_conv_states_initialized", {}).values())
+               for layer in cache.layers):
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except Exception:  # noqa: BLE001 - a cache whose layers cannot report a length (e.g. linear layers only)
+        return None
+
+
+def layer_tensors(layer) -> Dict[str, torch.Tensor]:
+    """Every tensor a cache layer holds, by name: ``conv_state`` / ``recurrent_state`` (KDA) or ``latent`` (MLA)."""
+    return kda_tensors(layer) if is_kda_layer(layer) else layer.tensors()
 
 
 def _checksum(tensors: Dict[str, torch.Tensor]) -> str:

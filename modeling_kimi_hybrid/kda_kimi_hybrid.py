@@ -280,12 +280,13 @@ def causal_conv1d_ref(
     Args:
         x: ``[B, T, C]`` input.
         weight: ``[C, W]`` (or ``[C, 1, W]``) depthwise kernel of width W; ``y_t = sum_j weight[:, j] x_{t-W+1+j}``.
-        conv_state: ``[N, C, W-1]`` the W-1 inputs before ``x`` (oldest first), or None for zeros.
+        conv_state: ``[N, C, W]`` the W inputs before ``x`` (oldest first; the oldest is not read, it is the window
+            layout of transformers' ``LinearAttentionLayer`` and FLA's ``causal_conv1d``), or None for zeros.
         activation: "silu" or None.
         cu_seqlens: ``[N + 1]`` packed-sequence boundaries (B must be 1); no window crosses a boundary.
 
     Returns:
-        ``(y [B, T, C] in x.dtype, new_state [N, C, W-1])``: the last W-1 inputs, zeros-padded if fewer were seen.
+        ``(y [B, T, C] in x.dtype, new_state [N, C, W])``: the last W inputs, zeros-padded if fewer were seen.
     """
     if weight.dim() == 3:
         weight = weight.squeeze(1)
@@ -304,33 +305,37 @@ def causal_conv1d_ref(
         return torch.cat(ys, 1), torch.cat(states, 0)
     B, T, _ = x.shape
     if conv_state is None:
-        conv_state = x.new_zeros(B, Cw, W - 1)
+        conv_state = x.new_zeros(B, Cw, W)
+    if conv_state.shape[-1] != W:
+        raise ValueError(f"conv_state holds {conv_state.shape[-1]} inputs per channel; a width-{W} convolution "
+                         f"keeps {W}")
     if T == 0:  # an empty sequence (e.g. inside cu_seqlens): no output, the window is unchanged
         return x.new_zeros(B, 0, Cw), conv_state.to(x.dtype)
-    xt = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
-    y = F.conv1d(xt, weight.to(x.dtype).unsqueeze(1), groups=Cw)  # [B, C, T]
+    xt = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W+T]
+    y = F.conv1d(xt[..., 1:], weight.to(x.dtype).unsqueeze(1), groups=Cw)  # [B, C, T]
     if activation == "silu":
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu' or None")
-    new_state = xt[..., xt.shape[-1] - (W - 1):]
+    new_state = xt[..., xt.shape[-1] - W:]
     return y.transpose(1, 2), new_state
 
 
 def causal_conv1d_update_ref(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: Optional[str] = "silu"
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of :func:`causal_conv1d_ref`: ``x`` ``[B, C]``, ``conv_state`` ``[B, C, W-1]``.
+    """One decode step of :func:`causal_conv1d_ref`: ``x`` ``[B, C]``, ``conv_state`` ``[B, C, W]`` (the last W
+    inputs, oldest first).
 
-    Returns ``(y [B, C], new_state [B, C, W-1])``.
+    Returns ``(y [B, C], new_state [B, C, W])``: the window shifted by one, ending with ``x``.
     """
     if weight.dim() == 3:
         weight = weight.squeeze(1)
-    window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, W]
+    window = torch.cat([conv_state[..., 1:].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, W]
     y = (window * weight.to(x.dtype)).sum(-1)
     if activation == "silu":
         y = F.silu(y)
-    return y, window[..., 1:]
+    return y, window
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -473,7 +478,7 @@ def _fla_conv_fn():
 def short_conv(x, weight, conv_state=None, activation="silu", cu_seqlens=None):
     """Causal depthwise conv for prefill: FLA's Triton ``causal_conv1d`` on CUDA when available, else the reference.
 
-    Same contract as :func:`causal_conv1d_ref` (state ``[N, C, W-1]``)."""
+    Same contract as :func:`causal_conv1d_ref` (state ``[N, C, W]``)."""
     if _use_fla(x):
         fla_conv = _fla_conv_fn()
         if fla_conv is not None:
@@ -483,20 +488,16 @@ def short_conv(x, weight, conv_state=None, activation="silu", cu_seqlens=None):
 
 def _fla_short_conv(fla_conv, x, weight, conv_state, activation, cu_seqlens):
     """FLA ``causal_conv1d(x [B, T, C], weight [C, W], initial_state [N, C, W], output_final_state, activation,
-    cu_seqlens)``. FLA keeps a window of width W (the W most recent inputs, oldest first; the convolution of the next
-    token reads only the newest W-1 of them), ours keeps the W-1 most recent: convert at the boundary by a zero
-    column on the old side going in, and dropping the oldest column coming out."""
+    cu_seqlens)``: FLA keeps the same W-wide window as ours (the W most recent inputs, oldest first)."""
     if weight.dim() == 3:
         weight = weight.squeeze(1)
-    init = None
-    if conv_state is not None:
-        init = F.pad(conv_state.to(x.dtype), (1, 0)).contiguous()
+    init = None if conv_state is None else conv_state.to(x.dtype).contiguous()
     y, final = fla_conv(x=x.contiguous(), weight=weight.to(x.dtype).contiguous(), bias=None,
                         activation=activation, initial_state=init, output_final_state=True, cu_seqlens=cu_seqlens)
-    return y, final[..., 1:].contiguous()
+    return y, final
 
 
 def short_conv_update(x, weight, conv_state, activation="silu"):
-    """One-token conv step (``x`` ``[B, C]``, state ``[B, C, W-1]``); the plain-torch form is already a few fused
+    """One-token conv step (``x`` ``[B, C]``, state ``[B, C, W]``); the plain-torch form is already a few fused
     elementwise ops, so it is used on every device."""
     return causal_conv1d_update_ref(x, weight, conv_state, activation)

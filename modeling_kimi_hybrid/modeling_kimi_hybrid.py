@@ -40,7 +40,7 @@ try:
 except ImportError:  # pragma: no cover
     init = nn.init
 
-from .cache_kimi_hybrid import FULL, LINEAR, KDALayerCache, KimiHybridCache
+from .cache_kimi_hybrid import FULL, LINEAR, KDARecord, KimiHybridCache, kda_store
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
@@ -331,12 +331,13 @@ class KimiDeltaAttention(nn.Module):
     def _forward_core(self, x, cache, valid, lengths, cu_seqlens, perm=None, token_mask=None):
         B, T, _ = x.shape
         H, K, P, W = self.num_heads, self.head_dim, self.proj_dim, self.conv_size
-        layer: Optional[KDALayerCache] = cache.layers[self.layer_idx] if cache is not None else None
+        layer = cache.layers[self.layer_idx] if cache is not None else None  # transformers' LinearAttentionLayer
         # static buffers start at zero, which is the same as "no state": no length read in static mode
-        has_state = layer is not None and layer.recurrent_state is not None and (cache.static or cache.seen_tokens > 0)
+        has_state = (layer is not None and layer.recurrent_states[0] is not None
+                     and (cache.static or cache.seen_tokens > 0))
         x_raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
         weight = self.conv_weight()
-        conv_state = layer.conv_state if has_state else None
+        conv_state = layer.conv_states[0] if has_state else None
         if has_state and T == 1:
             y, new_window = short_conv_update(x_raw[:, 0], weight, conv_state)
             y = y.unsqueeze(1)
@@ -357,18 +358,18 @@ class KimiDeltaAttention(nn.Module):
             g = g * vm.to(g.dtype)
             beta = beta * valid[..., None].to(beta.dtype)
         beta = beta.to(q.dtype) if q.is_cuda else beta
-        init_state = layer.recurrent_state if has_state else None
+        init_state = layer.recurrent_states[0] if has_state else None
         want_state = cache is not None
         record = cache is not None and cache.recording and cu_seqlens is None
         if layer is not None and not record:
-            layer.record = None  # a record must cover every token up to the current length
+            cache.records[self.layer_idx] = None  # a record must cover every token up to the current length
         if record:
             o, final = self._run_recording(q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm,
                                            token_mask)
         else:
             o, final = self._run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens)
         if cache is not None:
-            self._store(cache, layer, new_window, final)
+            kda_store(layer, new_window, final, fixed=cache.static)
         if self.config.use_full_rank_gate:
             gate = self.g_proj(x)
         else:
@@ -377,21 +378,13 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, P))
 
     def _window_at(self, conv_state, x_raw, lengths):
-        """Last W-1 real pre-conv inputs of each row (real tokens are at the front), oldest first."""
+        """Last W real pre-conv inputs of each row (real tokens are at the front), oldest first: ``[B, C, W]``."""
         B, T, C = x_raw.shape
-        W1 = self.conv_size - 1
-        prev = conv_state if conv_state is not None else x_raw.new_zeros(B, C, W1)
-        full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)  # [B, C, W1 + T]
-        idx = lengths.view(B, 1, 1) + torch.arange(W1, device=x_raw.device).view(1, 1, W1)
-        return full.gather(2, idx.expand(B, C, W1))
-
-    def _store(self, cache, layer, window, state):
-        if cache.static:
-            layer.conv_state.copy_(window)
-            layer.recurrent_state.copy_(state)
-        else:
-            layer.conv_state = window
-            layer.recurrent_state = state
+        W = self.conv_size
+        prev = conv_state if conv_state is not None else x_raw.new_zeros(B, C, W)
+        full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)  # [B, C, W + T]
+        idx = lengths.view(B, 1, 1) + torch.arange(W, device=x_raw.device).view(1, 1, W)
+        return full.gather(2, idx.expand(B, C, W))
 
     @staticmethod
     def _run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens=None):
@@ -417,25 +410,27 @@ class KimiDeltaAttention(nn.Module):
                       for n, t in tokens.items()}
         padded = token_mask is not None
         tokens["valid"] = token_mask if padded else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        if layer.record is not None and layer.record["end"] == start and (T < R or padded):
+        rec = cache.records[self.layer_idx]
+        if rec is not None and rec.end == start and (T < R or padded):
             o, final = self._run_kda(q, k, v, g, beta, init_state, True)
-            layer.extend_record(tokens, R)
+            rec.extend(tokens, R)
             return o, final
-        H, K, W1 = self.num_heads, self.head_dim, self.conv_size - 1
+        H, K, W = self.num_heads, self.head_dim, self.conv_size
         split = 0 if padded else max(0, T - R)
         S0 = init_state if init_state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
-        W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W1)
+        W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W)
         outs = []
         if split > 0:
             o1, S0 = kda_chunk(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
                                initial_state=init_state, output_final_state=True)
             outs.append(o1)
             full = torch.cat([W0.to(x_raw.dtype), x_raw[:, :split].transpose(1, 2)], dim=-1)
-            W0 = full[..., full.shape[-1] - W1:]
+            W0 = full[..., full.shape[-1] - W:]
         rest = [t[:, split:] for t in (q, k, v, g, beta)]
         o2, final = self._run_kda(*rest, S0 if (split > 0 or init_state is not None) else None, True)
         outs.append(o2)
-        layer.start_record(start + split, S0, W0, {name: t[:, split:] for name, t in tokens.items()}, R)
+        cache.records[self.layer_idx] = KDARecord(start + split, S0, W0,
+                                                  {name: t[:, split:] for name, t in tokens.items()}, R)
         return torch.cat(outs, 1) if len(outs) > 1 else o2, final
 
 
@@ -1169,7 +1164,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, inputs_embeds=None,
                                       **kwargs):
         """transformers' default, but the 2-D padding mask is always passed through (our layers build their own
-        KDA / MLA masks from it, also with a static cache). The cache comes as ``past_key_values`` (transformers
+        KDA / MLA masks from it; with a static cache, only its columns of the new tokens: the cache holds the rest). The cache comes as ``past_key_values`` (transformers
         <= 5.23) or ``cache`` (5.24 on) and is handed on under the installed transformers' name."""
         cache = resolve_cache_arg(past_key_values, kwargs.pop("cache", None))
         kwargs[GENERATION_CACHE_NAME] = cache
@@ -1183,7 +1178,15 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
                                                        inputs_embeds=inputs_embeds, **kwargs)
         if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask
+            if isinstance(cache, KimiHybridCache) and cache.static:
+                # a static cache keeps the key-padding history itself (``key_mask``): pass the new tokens' columns
+                # only, whose shape does not grow with the step, so a compiled decode step never recompiles
+                new = inputs.get("input_ids")
+                new = new if new is not None else inputs.get("inputs_embeds")
+                inputs["attention_mask"] = (attention_mask[:, -new.shape[1]:].contiguous() if new is not None
+                                            else attention_mask)
+            else:
+                inputs["attention_mask"] = attention_mask
         return inputs
 
     # -- prefix reuse ---------------------------------------------------------------------------------------------

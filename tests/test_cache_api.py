@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache, DynamicLayer,
-                                      LinearAttentionCacheLayerMixin, StaticCache, StaticLayer)
+from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache, DynamicLayer, LinearAttentionLayer,
+                                      StaticCache, StaticLayer)
 
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
-from kimi_hybrid.cache_kimi_hybrid import (DynamicMLALayer, KDALayer, StaticKDALayer, StaticMLALayer)
+from kimi_hybrid.cache_kimi_hybrid import (DynamicMLALayer, KimiHybridDynamicCache, KimiHybridStaticCache,
+                                           StaticMLALayer, kda_store, kda_tensors)
 
 from presets import preset_config
 from decoding_helpers import _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
@@ -34,6 +35,11 @@ def get_model(preset: str) -> KimiHybridForCausalLM:
 def _dims(cfg):
     H, K = cfg.linear_num_heads, cfg.linear_head_dim
     return H, K, cfg.linear_conv_kernel_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def _tensors(layer):
+    """Every tensor a cache layer holds, by name."""
+    return kda_tensors(layer) if isinstance(layer, LinearAttentionLayer) else layer.tensors()
 
 
 def _decode_matches_full(m, cache, ids, split, mask=None):
@@ -68,16 +74,21 @@ def test_layers_are_transformers_cache_layers(preset, static, monkeypatch):
     c = KimiHybridCache(m.config, max_cache_len=12 if static else None)
     assert len(calls) == 1 and len(calls[0]["layers"]) == 4, "Cache.__init__ must be called with the layers"
     assert c.layer_class_to_replicate is None and c.offloading is False
+    # the containers are transformers' own: a DynamicCache, or a StaticCache (never both)
+    assert isinstance(c, KimiHybridCache) and type(c) is (KimiHybridStaticCache if static else KimiHybridDynamicCache)
+    assert isinstance(c, StaticCache) == static and isinstance(c, DynamicCache) == (not static)
     for t, layer in zip(m.config.layer_types, c.layers):
-        if t == "linear_attention":
-            assert isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, KDALayer)
-            assert isinstance(layer, StaticKDALayer) == static and not layer.supports_early_init
+        if t == "linear_attention":  # exactly transformers' class, as its cache checks require
+            assert type(layer) is LinearAttentionLayer and not layer.supports_early_init
+            assert layer.number_of_states == 1 and layer.conv_kernel_size[0] == m.config.linear_conv_kernel_size
         else:
             assert isinstance(layer, CacheLayerMixin)
             assert isinstance(layer, StaticLayer if static else DynamicLayer)
             assert type(layer) is (StaticMLALayer if static else DynamicMLALayer)
     assert c.is_linear == [t == "linear_attention" for t in m.config.layer_types]
-    assert c.is_compileable == static and all(layer.is_compileable == static for layer in c.layers)
+    assert c.is_compileable == static
+    assert all(layer.is_compileable == (static or t == "linear_attention")
+               for t, layer in zip(m.config.layer_types, c.layers))
 
 
 @pytest.mark.parametrize("preset", ORDERS)
@@ -93,12 +104,19 @@ def test_transformers_state_getters_and_layer_lengths(preset):
         m(ids, past_key_values=c)
     for i in kda:
         conv, state = c.get_conv_state(i), c.get_recurrent_state(i)
-        assert conv is c.layers[i].conv_states[0] and conv.shape == (2, 3 * H * K, W - 1)
+        assert conv is c.layers[i].conv_states[0] and conv.shape == (2, 3 * H * K, W)
         assert state is c.layers[i].recurrent_states[0] and state.shape == (2, H, K, K) and state.dtype == torch.float32
         assert c.layers[i].has_previous_state[0]
-    for i in mla:
-        assert c.layers[i].get_seq_length() == 7 and c.layers[i].keys.shape == (2, 7, Dl)
-        assert c.layers[i].get_mask_sizes(1) == (8, 0)
+    r = m.config.kv_lora_rank
+    for i in mla:  # transformers' MLA layout: keys = c_kv [B, 1, T, r], values = k_pe [B, 1, T, rope], views
+        layer = c.layers[i]
+        assert layer.get_seq_length() == 7 and layer.latent.shape == (2, 7, Dl)
+        assert layer.keys.shape == (2, 1, 7, r) and layer.values.shape == (2, 1, 7, Dl - r)
+        assert torch.equal(torch.cat([layer.keys, layer.values], -1)[:, 0], layer.latent)
+        assert layer.keys.untyped_storage().data_ptr() == layer.latent.untyped_storage().data_ptr()
+        assert layer.get_mask_sizes(1) == (8, 0)
+        with pytest.raises(AttributeError, match="assign `latent`"):
+            layer.keys = torch.zeros(2, 1, 7, r)
     with pytest.raises(ValueError, match="not a KDA layer"):
         c.get_conv_state(mla[0])
     c.reset()
@@ -107,18 +125,19 @@ def test_transformers_state_getters_and_layer_lengths(preset):
 
 @pytest.mark.parametrize("preset", ORDERS)
 def test_layer_batch_operations_equal_recomputation(preset):
-    """Each layer owns reorder / select / repeat: the container only loops; rows then decode as recomputed."""
+    """Beam reorder through transformers' layer API (each layer's own reorder_cache), select / repeat through
+    the container: rows then decode as recomputed."""
     m = get_model(preset)
     ids = rand_ids(3, 6, seed=41)
     nxt = rand_ids(3, 1, seed=42)
     c = KimiHybridCache(m.config)
     with torch.no_grad():
         m(ids, past_key_values=c)
-    before = [{k: v.clone() for k, v in layer.tensors().items()} for layer in c.layers]
+    before = [{k: v.clone() for k, v in _tensors(layer).items()} for layer in c.layers]
     for layer in c.layers:  # layer-level operations, as a transformers container would call them
         layer.reorder_cache(torch.tensor([2, 0, 1]))
     for b, layer in zip(before, c.layers):
-        for k, v in layer.tensors().items():
+        for k, v in _tensors(layer).items():
             assert torch.equal(v, b[k][[2, 0, 1]])
     c.key_mask = c.key_mask[[2, 0, 1]]
     c.last_hidden = c.last_hidden[[2, 0, 1]]
@@ -154,14 +173,14 @@ def test_early_initialization_static_keeps_addresses(preset):
     c.early_initialization(batch_size=2, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
     ptrs = []
     for layer in c.layers:
-        for name, t in layer.tensors().items():
-            want = {"conv_state": (2, 3 * H * K, W - 1), "recurrent_state": (2, H, K, K), "latent": (2, 12, Dl)}
+        for name, t in _tensors(layer).items():
+            want = {"conv_state": (2, 3 * H * K, W), "recurrent_state": (2, H, K, K), "latent": (2, 12, Dl)}
             assert tuple(t.shape) == want[name] and not t.any()
             ptrs.append(t.data_ptr())
     assert len(ptrs) == 4 + m.config.layer_types.count("linear_attention") and c.get_seq_length() == 0
     ids = rand_ids(2, 9, seed=44)
     assert _decode_matches_full(m, c, ids, 5) <= ATOL
-    assert [t.data_ptr() for layer in c.layers for t in layer.tensors().values()] == ptrs
+    assert [t.data_ptr() for layer in c.layers for t in _tensors(layer).values()] == ptrs
     with pytest.raises(ValueError, match="holds batch 2 but the input has batch 3"):
         c.early_initialization(batch_size=3, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
 
@@ -188,13 +207,13 @@ def test_offload_prefetch_dynamic_and_refused_static(preset):
     c = KimiHybridCache(m.config)
     with torch.no_grad():
         m(ids[:, :6], past_key_values=c)
-    before = [{k: v.clone() for k, v in layer.tensors().items()} for layer in c.layers]
+    before = [{k: v.clone() for k, v in _tensors(layer).items()} for layer in c.layers]
     for i in range(len(c)):
         c.offload(i)
-        assert all(t.device.type == "cpu" for t in c.layers[i].tensors().values())
+        assert all(t.device.type == "cpu" for t in _tensors(c.layers[i]).values())
         c.prefetch(i)
     for b, layer in zip(before, c.layers):
-        assert all(torch.equal(v, b[k]) for k, v in layer.tensors().items())
+        assert all(torch.equal(v, b[k]) for k, v in _tensors(layer).items())
     with torch.no_grad():
         got = m(ids[:, 6:], past_key_values=c).logits
     assert (got - logits_nocache(m, ids)[:, 6:]).abs().max().item() <= ATOL
@@ -207,43 +226,79 @@ def test_offload_prefetch_dynamic_and_refused_static(preset):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# a transformers cache passed in: refused, never silently replaced
+# a transformers cache passed in: an empty DynamicCache / StaticCache is filled in place, anything else refused;
+# never silently replaced
 # ---------------------------------------------------------------------------------------------------------------
 
-def _foreign_caches(cfg):
+def _empty_transformers_caches(cfg, max_len=16):
+    return {"DynamicCache(config)": DynamicCache(config=cfg), "DynamicCache()": DynamicCache(),
+            "StaticCache": StaticCache(config=cfg, max_cache_len=max_len)}
+
+
+def _refused_caches(cfg):
+    from transformers.cache_utils import EncoderDecoderCache
+
     filled = DynamicCache()
     filled.update(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), 0)
-    return {"empty DynamicCache": DynamicCache(config=cfg), "empty plain DynamicCache": DynamicCache(),
-            "StaticCache": StaticCache(config=cfg, max_cache_len=16), "filled DynamicCache": filled}
+    return {"filled DynamicCache": filled, "EncoderDecoderCache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
 
 
 @pytest.mark.parametrize("preset", ORDERS)
-def test_foreign_cache_refused_by_forward(preset):
+def test_empty_transformers_cache_is_filled_in_place(preset):
+    """The caller's DynamicCache / StaticCache object itself is filled (it becomes this model's cache class and
+    stays a DynamicCache / StaticCache), and the caller's next call with it continues from it: logits equal one
+    full forward without a cache."""
     m = get_model(preset)
-    ids = rand_ids(1, 5, seed=47)
-    for name, cache in _foreign_caches(m.config).items():
-        with pytest.raises(ValueError, match=r"(?s)KimiHybridCache\(model\.config\).*leave it None"):
-            with torch.no_grad():
-                m(ids, past_key_values=cache, use_cache=True)
-    with pytest.raises(ValueError, match="legacy tuple"):
-        m(ids, past_key_values=((torch.zeros(1),),))
+    ids = rand_ids(2, 10, seed=47)
+    full = logits_nocache(m, ids)
+    for name, cache in _empty_transformers_caches(m.config).items():
+        static = isinstance(cache, StaticCache)
+        with torch.no_grad():
+            out = m(ids[:, :6], past_key_values=cache, use_cache=True)
+            assert out.past_key_values is cache, name
+            assert isinstance(cache, KimiHybridCache) and isinstance(cache, StaticCache if static else DynamicCache)
+            assert cache.get_seq_length() == 6 and cache.static == static
+            if static:
+                assert cache.max_cache_len == 16
+            nxt = [m(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 10)]
+        got = torch.cat([out.logits] + nxt, 1)
+        assert (got - full).abs().max().item() <= ATOL, name
+        assert cache.get_seq_length() == 10
 
 
 @pytest.mark.parametrize("preset", ORDERS)
-def test_foreign_cache_refused_by_generate(preset):
+def test_empty_transformers_cache_through_generate(preset):
     m = get_model(preset)
     ids = rand_ids(1, 5, seed=48)
-    for name, cache in _foreign_caches(m.config).items():
-        with pytest.raises(ValueError, match="KimiHybridCache"):
-            gen(m, ids, max_new_tokens=3, past_key_values=cache)
-    # without a cache, generate builds its own (a KimiHybridCache) and it equals recomputation
-    out = gen(m, ids, max_new_tokens=4, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, KimiHybridCache)
-    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
     seq = ids
     for _ in range(4):
         seq = torch.cat([seq, logits_nocache(m, seq)[:, -1:].argmax(-1)], 1)
+    for name, cache in _empty_transformers_caches(m.config).items():
+        out = gen(m, ids, max_new_tokens=4, past_key_values=cache, return_dict_in_generate=True)
+        assert out.past_key_values is cache and isinstance(cache, KimiHybridCache), name
+        assert torch.equal(out.sequences, seq), name
+        assert cache.get_seq_length() == seq.shape[1] - 1
+    # without a cache, generate builds its own (a KimiHybridCache, a DynamicCache) and it equals recomputation
+    out = gen(m, ids, max_new_tokens=4, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, KimiHybridCache) and isinstance(out.past_key_values, DynamicCache)
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
     assert torch.equal(out.sequences, seq)
+
+
+@pytest.mark.parametrize("preset", ORDERS)
+def test_other_caches_refused(preset):
+    m = get_model(preset)
+    ids = rand_ids(1, 5, seed=47)
+    for name, cache in _refused_caches(m.config).items():
+        with pytest.raises(ValueError, match=r"(?s)KimiHybridCache\(model\.config\).*leave it None"):
+            with torch.no_grad():
+                m(ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="KimiHybridCache"):
+            gen(m, ids, max_new_tokens=3, past_key_values=cache)
+    with pytest.raises(ValueError, match="already holds 3 tokens"):
+        m(ids, past_key_values=_refused_caches(m.config)["filled DynamicCache"])
+    with pytest.raises(ValueError, match="legacy tuple"):
+        m(ids, past_key_values=((torch.zeros(1),),))
 
 
 @pytest.mark.parametrize("preset", ORDERS)
@@ -271,26 +326,26 @@ def _storage(t):
 
 @pytest.mark.parametrize("preset", ORDERS)
 def test_memory_report_equals_storage_after_long_prefill(preset):
-    """A 1,024-token prefill on the torch conv path: each KDA conv window is its own [1, 3P, W-1] tensor (2,304 B
-    here), not a view keeping the [1, 3P, W-1+1024] prefill input (788,736 B) alive; the report equals the
-    storages held. Also after one decode step (whose window comes from a [B, 3P, W] concatenation)."""
+    """A 1,024-token prefill on the torch conv path: each KDA conv window is its own [1, 3P, W] tensor (3,072 B
+    here), not a view keeping the [1, 3P, W+1024] prefill input (789,504 B) alive; the report equals the storages
+    held. Also after one decode step (whose window comes from a [B, 3P, W] concatenation)."""
     m = get_model(preset)
     H, K, W, Dl = _dims(m.config)
     ids = rand_ids(1, 1024, seed=50)
     with torch.no_grad():
         c = m(ids, use_cache=True, logits_to_keep=1).past_key_values
         for step in range(2):
-            kda = [layer for layer in c.layers if isinstance(layer, KDALayer)]
-            conv_bytes = 3 * H * K * (W - 1) * 4
-            assert conv_bytes == 2304
+            kda = [layer for layer in c.layers if isinstance(layer, LinearAttentionLayer)]
+            conv_bytes = 3 * H * K * W * 4
+            assert conv_bytes == 3072
             for layer in kda:
-                assert _storage(layer.conv_state) == conv_bytes, f"step {step}: conv window pins its input"
-                assert _storage(layer.recurrent_state) == H * K * K * 4
+                assert _storage(layer.conv_states[0]) == conv_bytes, f"step {step}: conv window pins its input"
+                assert _storage(layer.recurrent_states[0]) == H * K * K * 4
             rep = c.memory_report()
             assert rep["kda_conv_bytes"] == len(kda) * conv_bytes
             assert rep["kda_bytes"] == rep["kda_bytes_constant"]
             storages = {}
-            tensors = [t for layer in c.layers for t in layer.tensors().values()] + [c.key_mask, c.last_hidden]
+            tensors = [t for layer in c.layers for t in _tensors(layer).values()] + [c.key_mask, c.last_hidden]
             for t in tensors:
                 storages[t.untyped_storage().data_ptr()] = _storage(t)
             assert rep["total_bytes"] == sum(storages.values())
@@ -306,15 +361,15 @@ def test_memory_report_counts_a_pinned_view_whole():
     c = KimiHybridCache(cfg)
     big = torch.randn(1, 3 * H * K, 100)
     layer = c.layers[0]
-    layer.conv_state = big[..., -(W - 1):]  # through the layer: an own copy
-    assert _storage(layer.conv_state) == 3 * H * K * (W - 1) * 4
-    assert torch.equal(layer.conv_state, big[..., -(W - 1):])
+    kda_store(layer, conv_state=big[..., -W:])  # through the writer: copied into the layer's own buffer
+    assert _storage(layer.conv_states[0]) == 3 * H * K * W * 4
+    assert torch.equal(layer.conv_states[0], big[..., -W:])
     c.key_mask = torch.ones(1, 100, dtype=torch.bool)
-    assert c.memory_report()["kda_conv_bytes"] == 3 * H * K * (W - 1) * 4
-    c.layers[1].conv_states[0] = big[..., -(W - 1):]  # behind the layer's back: still counted whole
-    c.layers[2].conv_states[0] = big[..., -(W - 1):]  # the same storage again: counted once
+    assert c.memory_report()["kda_conv_bytes"] == 3 * H * K * W * 4
+    c.layers[1].conv_states[0] = big[..., -W:]  # behind the writer's back: still counted whole
+    c.layers[2].conv_states[0] = big[..., -W:]  # the same storage again: counted once
     rep = c.memory_report()
-    assert rep["kda_conv_bytes"] == 3 * H * K * (W - 1) * 4 + _storage(big) == 2304 + 76_800
+    assert rep["kda_conv_bytes"] == 3 * H * K * W * 4 + _storage(big) == 3072 + 76_800
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,7 +409,7 @@ def test_cuda_offloading_moves_latents_and_decodes_as_plain(preset):
             off.offload(i)
             assert layer.latent.device.type == "cpu"
         else:
-            assert layer.conv_state.is_cuda and layer.recurrent_state.is_cuda
+            assert layer.conv_states[0].is_cuda and layer.recurrent_states[0].is_cuda
 
 
 @cuda
@@ -367,9 +422,36 @@ def test_cuda_memory_report_equals_storage_after_long_prefill(preset):
         c = m(rand_ids(1, 1024, seed=61).cuda(), use_cache=True, logits_to_keep=1).past_key_values
         m(rand_ids(1, 1, seed=62).cuda(), past_key_values=c)
     for layer in c.layers:
-        for t in layer.tensors().values():
+        for t in _tensors(layer).values():
             assert t.is_cuda and _storage(t) == t.numel() * t.element_size()
     rep = c.memory_report()
-    tensors = [t for layer in c.layers for t in layer.tensors().values()] + [c.key_mask, c.last_hidden]
+    tensors = [t for layer in c.layers for t in _tensors(layer).values()] + [c.key_mask, c.last_hidden]
     assert rep["total_bytes"] == sum({t.untyped_storage().data_ptr(): _storage(t) for t in tensors}.values())
     assert rep["kda_bytes"] == rep["kda_bytes_constant"] and rep["mla_bytes"] == rep["mla_bytes_per_token"] * 1025
+
+
+@pytest.mark.parametrize("preset", ORDERS)
+def test_static_generation_feeds_a_fixed_shape_mask(preset, monkeypatch):
+    """With a static cache the key-padding history lives in the cache, so generate's growing 2-D mask is cut to the
+    new tokens' columns (a contiguous [B, new] tensor: a compiled decode step sees the same shape and strides at
+    every step and never recompiles); greedy output with left padding equals the dynamic cache's, whose forward
+    gets the whole mask."""
+    m = get_model(preset)
+    ids = rand_ids(2, 7, seed=64)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    seen = []
+    real = type(m).forward
+
+    def spy(self, *args, **kwargs):
+        am = kwargs.get("attention_mask")
+        seen.append(None if am is None else (tuple(am.shape), am.is_contiguous()))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(m), "forward", spy)
+    b = gen(m, ids, attention_mask=mask, max_new_tokens=5, cache_implementation="static")
+    assert seen[0] == ((2, 7), True) and seen[1:] == [((2, 1), True)] * 4, seen
+    seen.clear()
+    a = gen(m, ids, attention_mask=mask, max_new_tokens=5)
+    assert [s[0] for s in seen] == [(2, 7 + i) for i in range(5)], seen
+    assert torch.equal(a, b)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid.cache_kimi_hybrid import layer_tensors
 from presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,22 +206,22 @@ def test_memory_report_matches_formula_and_tensors():
             cache = model(torch.randint(3, 128, (B, T)), use_cache=True).past_key_values
         rep = cache.memory_report()
         held = {"kda": 0, "mla": 0}
-        for layer in cache.layers:
-            for t in layer.tensors().values():
-                held["kda" if layer.layer_type == "linear_attention" else "mla"] += t.numel() * t.element_size()
+        for kind, layer in zip(cfg.layer_types, cache.layers):
+            for t in layer_tensors(layer).values():
+                held["kda" if kind == "linear_attention" else "mla"] += t.numel() * t.element_size()
         assert rep["kda_bytes"] == held["kda"] and rep["mla_bytes"] == held["mla"]
         n_mla = cfg.layer_types.count("full_attention")
         n_kda = cfg.layer_types.count("linear_attention")
         assert rep["mla_bytes"] == n_mla * T * B * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
         H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_size
-        assert rep["kda_bytes"] == n_kda * B * (H * K * K * 4 + 3 * H * K * (W - 1) * 4)
+        assert rep["kda_bytes"] == n_kda * B * (H * K * K * 4 + 3 * H * K * W * 4)
         assert rep["total_bytes"] == rep["kda_bytes"] + rep["mla_bytes"] + rep["mask_bytes"] + rep["hidden_bytes"]
         reports.append(rep)
     assert reports[0]["kda_bytes"] == reports[1]["kda_bytes"]  # fixed size, whatever T
     assert reports[1]["mla_bytes"] - reports[0]["mla_bytes"] == 12 * reports[0]["mla_bytes_per_token"]
-    for layer in cache.layers:
-        if layer.layer_type == "linear_attention":
-            assert layer.recurrent_state.dtype == torch.float32
+    for kind, layer in zip(cfg.layer_types, cache.layers):
+        if kind == "linear_attention":
+            assert layer.recurrent_states[0].dtype == torch.float32
 
 
 def test_mla_cache_holds_only_the_latent():
@@ -228,9 +229,9 @@ def test_mla_cache_holds_only_the_latent():
     with torch.no_grad():
         cache = model(torch.randint(3, 128, (2, 7)), use_cache=True).past_key_values
     cfg = model.config
-    for layer in cache.layers:
-        if layer.layer_type == "full_attention":
-            assert list(layer.tensors()) == ["latent"]
+    for kind, layer in zip(cfg.layer_types, cache.layers):
+        if kind == "full_attention":
+            assert list(layer_tensors(layer)) == ["latent"]
             assert layer.latent.shape == (2, 7, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
@@ -453,8 +454,8 @@ def test_tie_word_embeddings_ties_and_round_trips(tmp_path):
 
 
 def test_meta_static_cache_memory_report_for_planning():
-    """A static cache on the meta device (no memory) reports the bytes of the 48B shape: 43,417,600 B of KDA state
+    """A static cache on the meta device (no memory) reports the bytes of the 48B shape: 43,909,120 B of KDA state
     + 8,064 B per position of MLA latent."""
     cfg = KimiHybridConfig.from_preset("kimi-linear-48b-a3b")
     rep = KimiHybridCache(cfg, max_cache_len=4096, batch_size=1, dtype=torch.bfloat16, device="meta").memory_report()
-    assert rep["kda_bytes"] == 43_417_600 and rep["mla_bytes"] == 8_064 * 4096
+    assert rep["kda_bytes"] == 43_909_120 and rep["mla_bytes"] == 8_064 * 4096

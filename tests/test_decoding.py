@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from transformers.cache_utils import LinearAttentionLayer
 
 from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
 from presets import preset_config
@@ -228,7 +229,8 @@ def test_prompt_lookup_equals_greedy(preset, crop_log):
 
 
 def _kda_states(cache):
-    return [(l.conv_state.clone(), l.recurrent_state.clone()) for l in cache.layers if hasattr(l, "recurrent_state")]
+    return [(l.conv_states[0].clone(), l.recurrent_states[0].clone()) for l in cache.layers
+            if isinstance(l, LinearAttentionLayer)]
 
 
 @pytest.mark.parametrize("preset", ALL)
@@ -272,12 +274,12 @@ def test_crop_window_bounded_and_errors(preset):
         c.activate_past_recording()
         for t in range(8, 20):  # 12 single-token steps: the record's anchor moves (window between R and 2R)
             m(ids[:, t:t + 1], past_key_values=c)
-            rec = [l.record for l in c.layers if hasattr(l, "record")][0]
-            assert min(R, t + 1 - 8) <= rec["end"] - rec["anchor"] <= 2 * R and rec["end"] == t + 1
+            rec = [r for r in c.records if r is not None][0]
+            assert min(R, t + 1 - 8) <= rec.end - rec.anchor <= 2 * R and rec.end == t + 1
         # the documented memory bound of the records (fp32 model, batch 1)
         H, K = m.config.linear_attn_config["num_heads"], m.config.linear_attn_config["head_dim"]
-        P, W1, n_kda = H * K, m.config.linear_attn_config["short_conv_kernel_size"] - 1, c.is_linear.count(True)
-        bound = n_kda * (H * K * K * 4 + 3 * P * W1 * 4 + 2 * R * (7 * P * 4 + H * 4 + 1))
+        P, W, n_kda = H * K, m.config.linear_attn_config["short_conv_kernel_size"], c.is_linear.count(True)
+        bound = n_kda * (H * K * K * 4 + 3 * P * W * 4 + 2 * R * (7 * P * 4 + H * 4 + 1))
         assert 0 < c.memory_report()["rollback_bytes"] <= bound
         with pytest.raises(ValueError, match="recorded window"):
             c.crop(-(2 * R + 1))

@@ -16,7 +16,7 @@ from accelerate import infer_auto_device_map, init_empty_weights  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: E402
-from kimi_hybrid.cache_kimi_hybrid import KDALayerCache  # noqa: E402
+from kimi_hybrid.cache_kimi_hybrid import layer_tensors  # noqa: E402
 from presets import preset_config
 
 
@@ -93,6 +93,5 @@ def test_two_gpu_split_cache_on_layer_devices(tmp_path):
     assert torch.equal(a.cpu(), b.cpu())
     for i, layer in enumerate(cache.layers):
         want = torch.device(f"cuda:{dmap[f'model.layers.{i}']}")
-        tensors = [layer.conv_state, layer.recurrent_state] if isinstance(layer, KDALayerCache) else [layer.latent]
-        for t in tensors:
+        for t in layer_tensors(layer).values():
             assert t.device == want, (i, t.device)

@@ -19,6 +19,7 @@ import kimi_hybrid.modeling_kimi_hybrid as mk
 import kimi_hybrid.moe_kimi_hybrid as mkm
 from conversion_fixtures import released_config_dict
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid.cache_kimi_hybrid import kda_store, layer_tensors
 from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -980,8 +981,8 @@ def _meta_cache(cfg, T, state_dtype, conv_dtype=torch.bfloat16, latent_dtype=tor
     H, K, W = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_size
     for layer, t in zip(cache.layers, cfg.layer_types):
         if t == LINEAR:
-            layer.conv_state = torch.empty(1, 3 * H * K, W - 1, dtype=conv_dtype, device="meta")
-            layer.recurrent_state = torch.empty(1, H, K, K, dtype=state_dtype, device="meta")
+            kda_store(layer, torch.empty(1, 3 * H * K, W, dtype=conv_dtype, device="meta"),
+                      torch.empty(1, H, K, K, dtype=state_dtype, device="meta"))
         else:
             layer.latent = torch.empty(1, T, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=latent_dtype,
                                        device="meta")
@@ -999,8 +1000,8 @@ def test_k3_cache_memory_at_128k():
         real = tiny(ids_for(tiny.config, 1, 5), use_cache=True).past_key_values
     ref = _meta_cache(tiny.config, 5, torch.float32, torch.float32, torch.float32)
     for a, b in zip(real.layers, ref.layers):
-        assert {k: (tuple(v.shape), v.dtype) for k, v in a.tensors().items()} == {
-            k: (tuple(v.shape), v.dtype) for k, v in b.tensors().items()}
+        assert {k: (tuple(v.shape), v.dtype) for k, v in layer_tensors(a).items()} == {
+            k: (tuple(v.shape), v.dtype) for k, v in layer_tensors(b).items()}
 
     fp32 = _meta_cache(cfg, T, torch.float32).memory_report()
     bf16 = _meta_cache(cfg, T, torch.bfloat16).memory_report()
@@ -1008,11 +1009,11 @@ def test_k3_cache_memory_at_128k():
     assert fp32["mla_bytes"] == bf16["mla_bytes"] == mla == 3_538_944_000
     assert fp32["kda_state_bytes"] == 69 * 96 * 128 * 128 * 4 == 434_110_464
     assert bf16["kda_state_bytes"] == 69 * 96 * 128 * 128 * 2 == 217_055_232
-    conv = 69 * 3 * 12288 * 3 * 2
-    assert fp32["kda_conv_bytes"] == bf16["kda_conv_bytes"] == conv == 15_261_696
+    conv = 69 * 3 * 12288 * 4 * 2
+    assert fp32["kda_conv_bytes"] == bf16["kda_conv_bytes"] == conv == 20_348_928
     assert fp32["kda_bytes"] == fp32["kda_state_bytes"] + conv
     assert fp32["mask_bytes"] == T and fp32["rollback_bytes"] == 0
-    assert fp32["total_bytes"] == mla + 434_110_464 + conv + T == 3_988_444_160
+    assert fp32["total_bytes"] == mla + 434_110_464 + conv + T == 3_993_531_392
     assert round((mla + bf16["kda_state_bytes"]) / 1e9, 2) == 3.76
     assert round((mla + fp32["kda_state_bytes"]) / 1e9, 2) == 3.97
     all_mla = KimiHybridConfig.from_preset("kimi-k3", layer_types=[FULL] * 93)
@@ -1021,8 +1022,8 @@ def test_k3_cache_memory_at_128k():
     assert round(rep["mla_bytes"] / 1e9, 2) == 13.71
     # the note in docs states these numbers
     note = (ROOT / "docs" / "k3-memory.md").read_text()
-    for s in ("3,538,944,000", "434,110,464", "217,055,232", "15,261,696", "13,713,408,000", "3,755,999,232",
-              "3,973,054,464", "3,988,444,160"):
+    for s in ("3,538,944,000", "434,110,464", "217,055,232", "20,348,928", "13,713,408,000", "3,755,999,232",
+              "3,973,054,464", "3,993,531,392"):
         assert s in note, s
 
 

@@ -152,13 +152,17 @@ def test_short_conv_matches_loop_and_decode(T):
     B, C, W = 2, 5, 4
     x = torch.randn(B, T, C, generator=gen)
     w = torch.randn(C, 1, W, generator=gen)
-    state = torch.randn(B, C, W - 1, generator=gen)
+    state = torch.randn(B, C, W, generator=gen)  # the last W inputs; the oldest is not read
     y, new_state = causal_conv1d_ref(x, w, state)
     hist = torch.cat([state, x.transpose(1, 2)], -1)
     for t in range(T):
-        window = hist[..., t:t + W]
+        window = hist[..., t + 1:t + 1 + W]
         assert torch.allclose(y[:, t], F.silu((window * w.squeeze(1)).sum(-1)), atol=1e-6)
-    assert torch.equal(new_state, hist[..., -(W - 1):])
+    assert torch.equal(new_state, hist[..., -W:])
+    y2, _ = causal_conv1d_ref(x, w, torch.cat([torch.full_like(state[..., :1], 1e6), state[..., 1:]], -1))
+    assert torch.equal(y2, y), "the oldest window column must not be read"
+    with pytest.raises(ValueError, match="keeps 4"):
+        causal_conv1d_ref(x, w, state[..., 1:])
     # token-by-token decode gives the same outputs and state
     st = state
     for t in range(T):

@@ -63,13 +63,13 @@ def test_plan_equals_memory_report_of_real_shapes_on_meta(preset, n_kda, n_mla):
 
 
 def test_48b_figures_by_hand():
-    """Kimi-Linear-48B-A3B, bf16 cache: KDA 20 x (32 x 128 x 128 x 4 + 3 x 4096 x 3 x 2) = 43,417,600 B per
+    """Kimi-Linear-48B-A3B, bf16 cache: KDA 20 x (32 x 128 x 128 x 4 + 3 x 4096 x 4 x 2) = 43,909,120 B per
     sequence, MLA 7 x 576 x 2 = 8,064 B per token; all-MLA 27 x 576 x 2 = 31,104 B; MHA 27 x 32 x (192 + 128) x 2
     = 552,960 B per token. Weights: 49,122,681,728 parameters (the converter's inventory of the released config)."""
     plan = memory.make_plan(memory.load_config(preset="kimi-linear-48b-a3b"), "48b", memory.parse_size("141GB"),
                             131072)
     c = plan.cache
-    assert c.kda_state + c.kda_conv == 43_417_600 and c.mla_per_token == 8_064 and c.hidden == 2304 * 2
+    assert c.kda_state + c.kda_conv == 43_909_120 and c.mla_per_token == 8_064 and c.hidden == 2304 * 2
     assert c.all_mla_per_token == 31_104 and c.mha_per_token == 552_960
     assert plan.parameters == 49_122_681_728 and plan.weights_bytes == 2 * 49_122_681_728
     budget = 141_000_000_000 - 98_245_363_456
@@ -80,7 +80,7 @@ def test_48b_figures_by_hand():
         assert f + p * r["max_context"] <= budget < f + p * (r["max_context"] + 1), name
         one = f + p * 131072
         assert r["max_batch"] * one <= budget < (r["max_batch"] + 1) * one, name
-    assert rows["hybrid"]["max_context"] == (budget - 43_422_208) // 8_065 == 5_295_872
+    assert rows["hybrid"]["max_context"] == (budget - 43_913_728) // 8_065 == 5_295_811
     assert rows["all_mla"]["max_context"] == budget // 31_104 and rows["mha"]["max_context"] == budget // 552_960
     assert rows["mha"]["max_batch"] == 0 and rows["hybrid"]["max_batch"] == 38
     # the instruct preset (the converter's shipped released config) has the same architecture
@@ -145,11 +145,11 @@ def test_cli_memory_prints_writes_json_and_plot(tmp_path):
     r = run_memory("--preset", "kimi-linear-48b-a3b", "--gpu-mem", "141GB", "--context", "1048576", "--json",
                    str(out), "--plot", str(png))
     assert r.returncode == 0, r.stderr
-    assert "MLA per token                8,064 B" in r.stdout and "=> bytes(T) = 43,422,208 + 8,065 x T" in r.stdout
+    assert "MLA per token                8,064 B" in r.stdout and "=> bytes(T) = 43,913,728 + 8,065 x T" in r.stdout
     d = json.loads(out.read_text())
-    assert d["variants"]["hybrid"]["max_context"] == 5_295_872
-    assert d["variants"]["hybrid"]["at_context"] == 43_422_208 + 8_065 * 1_048_576
-    assert d["variants"]["hybrid"]["max_batch"] == 42_755_636_544 // (43_422_208 + 8_065 * 1_048_576) == 5
+    assert d["variants"]["hybrid"]["max_context"] == 5_295_811
+    assert d["variants"]["hybrid"]["at_context"] == 43_913_728 + 8_065 * 1_048_576
+    assert d["variants"]["hybrid"]["max_batch"] == 42_755_636_544 // (43_913_728 + 8_065 * 1_048_576) == 5
     assert d["variants"]["all_mla"]["max_batch"] == 1 and d["variants"]["mha"]["max_batch"] == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
@@ -190,7 +190,7 @@ def test_comparison_header_names_each_column():
     head = next(line for line in lines if line.lstrip().startswith("cache ") and "per token" in line)
     assert "   fixed part   total @ 1,048,576 tok  " in head
     row = next(line for line in lines if line.lstrip().startswith("hybrid"))
-    assert row.index("43.42 MB") + len("43.42 MB") == head.index("fixed part") + len("fixed part")
+    assert row.index("43.91 MB") + len("43.91 MB") == head.index("fixed part") + len("fixed part")
     assert row.index("8.50 GB") + len("8.50 GB") == head.index("1,048,576 tok") + len("1,048,576 tok")
 
 

@@ -19,7 +19,7 @@ import torch
 from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 
 from decoding_helpers import PAD, _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
-from kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION
+from kimi_hybrid.cache_kimi_hybrid import CACHE_FORMAT_VERSION, layer_tensors
 from presets import preset_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def get_model(preset: str, seed: int = 0) -> KimiHybridForCausalLM:
 
 def _tensors(cache):
     extra = [cache.last_hidden] if cache.last_hidden is not None else []
-    return [t for layer in cache.layers for t in layer.tensors().values()] + [cache.key_mask] + extra
+    return [t for layer in cache.layers for t in layer_tensors(layer).values()] + [cache.key_mask] + extra
 
 
 # ---------------------------------------------------------------------------------------------------------------

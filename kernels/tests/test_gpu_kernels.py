@@ -171,12 +171,12 @@ def test_short_conv_fla_vs_ref(T, state):
     B, C, W = 2, 192, 4
     x = torch.randn(B, T, C, device="cuda", generator=gen).bfloat16().requires_grad_(True)
     w = (torch.randn(C, W, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_(True)
-    s0 = torch.randn(B, C, W - 1, device="cuda", generator=gen).bfloat16().requires_grad_(True) if state else None
+    s0 = torch.randn(B, C, W, device="cuda", generator=gen).bfloat16().requires_grad_(True) if state else None
     y, st = kk.short_conv(x, w, s0, "silu")
     xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
     s0r = s0.detach().float().requires_grad_(True) if state else None
     y_ref, st_ref = kk.causal_conv1d_ref(xr, wr, s0r, "silu")
-    assert st.shape == (B, C, W - 1)
+    assert st.shape == (B, C, W)
     assert rel(y, y_ref) < 1e-2
     assert torch.equal(st.float(), st_ref)  # the window is a copy of inputs: exact
     dy = torch.randn_like(y_ref)
