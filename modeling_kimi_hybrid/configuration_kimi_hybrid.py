@@ -106,6 +106,28 @@ _NOT_CONFIG = ("architectures", "auto_map", "transformers_version", "quantizatio
                "pruned_heads", "tf_legacy_loss", "use_bfloat16")
 
 
+def _expert_parallel_plan() -> Dict[str, str]:
+    """The expert-parallel plan in the form the installed transformers applies (``base_model_ep_plan``).
+
+    Newer releases (``transformers.distributed.expert_parallel`` with ``EpDispatchExpertsParallel``, 5.21+) dispatch
+    tokens to whole experts held per rank through the experts module (``ep_dispatch_experts``) and refuse the older
+    router rule; older ones (5.17) mask the router's output to the rank's experts (``ep_router``, which reads the
+    ``(logits, weights, indices)`` that :class:`KimiRouter` returns) and sum the ranks' expert outputs
+    (``moe_tp_experts``). Both shard ``gate_up_proj [E, 2F, D_e]`` and ``down_proj [E, D_e, F]`` on the expert dim
+    (``grouped_gemm``); :class:`KimiExperts` skips the off-rank routes they mark with the id ``num_experts``.
+    """
+    import importlib.util
+
+    sharded = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
+    try:
+        spec = importlib.util.find_spec("transformers.distributed.expert_parallel")
+    except (ImportError, ValueError):  # pragma: no cover - no transformers.distributed
+        spec = None
+    if spec is not None and "EpDispatchExpertsParallel" in open(spec.origin, encoding="utf-8").read():
+        return {**sharded, "layers.*.mlp.experts": "ep_dispatch_experts"}
+    return {"layers.*.mlp.gate": "ep_router", **sharded, "layers.*.mlp.experts": "moe_tp_experts"}
+
+
 class KimiHybridConfig(PretrainedConfig):
     r"""Configuration for :class:`KimiHybridForCausalLM` (Kimi-Linear and the Kimi K3 text backbone).
 
@@ -135,6 +157,27 @@ class KimiHybridConfig(PretrainedConfig):
 
     model_type = "kimi_hybrid"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # Tensor parallelism (transformers' ``DistributedConfig(tp_size=N)``), over the module names of
+    # modeling_kimi_hybrid.py: the MLPs only, as transformers' own kimi_linear / deepseek_v3 plans do (the KDA and MLA
+    # layers stay replicated: correct, not split). Routed experts ``gate_up_proj [E, 2F, D_e]`` (gate rows | up rows)
+    # split their F on both halves at once (``packed_colwise``), ``down_proj [E, D_e, F]`` splits F (``rowwise``), and
+    # the experts module sums the ranks' partial outputs (``moe_tp_experts``); the dense MLP of the first layers and
+    # the shared experts are plain column / row splits. transformers adds ``embed_tokens: embedding_rowwise``; the
+    # LM head's entry is ``KimiHybridForCausalLM._tp_plan``. Routers, norms, K3's latent projections and AttnRes stay
+    # replicated.
+    base_model_tp_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.shared_experts.gate_proj": "colwise",
+        "layers.*.mlp.shared_experts.up_proj": "colwise",
+        "layers.*.mlp.shared_experts.down_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    # Expert parallelism (``DistributedConfig(ep_size=N)``): whole experts per rank; see _expert_parallel_plan.
+    base_model_ep_plan = _expert_parallel_plan()
     attribute_map = {"model_max_length": "max_position_embeddings"}
 
     def __init__(

@@ -1036,6 +1036,9 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
 
     # tied only when config.tie_word_embeddings (False in the released checkpoints): transformers reads this map
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # tensor parallelism: the head splits the vocabulary and gathers the logits (a tied head shares the embedding's
+    # vocabulary split, ``embedding_rowwise``); the decoder's plan is KimiHybridConfig.base_model_tp_plan
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)

@@ -292,14 +292,26 @@ class KimiExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, in_dim, F_))
 
     def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-        """This model's GLU on ``[S, 2F]`` (gate | up) for transformers' expert implementations: ``[S, F]``."""
-        F_ = self.intermediate
+        """This model's GLU on ``[S, 2F]`` (gate | up) for transformers' expert implementations: ``[S, F]``.
+        F is read from the tensor: under tensor parallelism each rank holds ``2F / tp`` columns (its gate | up
+        slices)."""
+        F_ = gate_up_out.shape[-1] // 2
         return glu_act(self.config, gate_up_out[..., :F_], gate_up_out[..., F_:])
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         N, k = topk_idx.shape
         gate_up = self.gate_up_proj  # read once: PEFT target_parameters returns the adapted tensor here
         down = self.down_proj
+        # the widths come from the weights, not the config: tensor parallelism leaves each rank gate_up [E, 2F/tp, D]
+        # (its slice of the gate rows, then of the up rows) and down [E, D, F/tp]; expert parallelism leaves it
+        # E / ep experts (``num_experts`` is then the local count)
+        F_ = gate_up.shape[1] // 2
+        if getattr(self, "_is_expert_parallel", False):
+            # routes to another rank's experts arrive as id ``num_experts`` with weight 0 (transformers' EP
+            # sentinel): run them on a local expert and drop them through the zero weight
+            off_rank = topk_idx >= self.num_experts
+            topk_idx = topk_idx.masked_fill(off_rank, 0)
+            topk_w = topk_w.masked_fill(off_rank, 0.0)
         if _moe_gemv_applies(self.config, x, gate_up, down, N * k):
             return moe_decode_gemv(x, topk_idx, topk_w, gate_up, down)
         flat = topk_idx.reshape(-1)
@@ -310,7 +322,7 @@ class KimiExperts(nn.Module):
         # break CUDA-graph capture of a decode step
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        ys = _grouped_expert_mlp(self.config, xs, gate_up, down, counts, self.intermediate)
+        ys = _grouped_expert_mlp(self.config, xs, gate_up, down, counts, F_)
         ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
         out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
         out.index_add_(0, token_of, ys)
