@@ -21,11 +21,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . > /tmp/kh_pkg.log 2>&1 \
   || { cat /tmp/kh_pkg.log; exit 3; }
 export PYTHONPATH=/tmp/kh_site:/tmp/kh_pkg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-mkdir -p .triton_cache
+# TRITON_CACHE_ROOT outside the copied tree (e.g. /tmp/khtc) keeps compiled kernels and inductor graphs between
+# calls on a machine that stayed warm; the autotune tgz warms a fresh one
+CR=${TRITON_CACHE_ROOT:-$PWD/.triton_cache}
+mkdir -p "$CR"
 AUTOTUNE_TGZ=${AUTOTUNE_TGZ:-kernels/results/triton_autotune.tgz}
-[ -f "$AUTOTUNE_TGZ" ] && tar xzf "$AUTOTUNE_TGZ" -C .triton_cache && el "restored autotune results from $AUTOTUNE_TGZ"
-export TRITON_CACHE_DIR=$PWD/.triton_cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.triton_cache/inductor
-save_cache() { (cd .triton_cache && find triton -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -); }
+[ -f "$AUTOTUNE_TGZ" ] && tar xzf "$AUTOTUNE_TGZ" -C "$CR" && el "restored autotune results from $AUTOTUNE_TGZ"
+export TRITON_CACHE_DIR=$CR/triton TORCHINDUCTOR_CACHE_DIR=$CR/inductor
+save_cache() { (cd "$CR" && find triton -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -); }
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   el "GPU tests"
