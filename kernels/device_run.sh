@@ -17,6 +17,8 @@ T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kh_site \
   "${WHEELS:?set WHEELS to a folder of wheels}"/*.whl > /tmp/kh_pip.log 2>&1 || { cat /tmp/kh_pip.log; exit 3; }
+# a package folder packed as .tar.xz (e.g. transformers without its other models, to fit the 64 MiB a call carries)
+for t in "$WHEELS"/*.tar.xz; do [ -f "$t" ] && tar xJf "$t" -C /tmp/kh_site && el "unpacked $(basename "$t")"; done
 # the package itself, imported as kimi_hybrid (with kimi_hybrid.kernels / .conversion / .app)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . > /tmp/kh_pkg.log 2>&1 \
   || { cat /tmp/kh_pkg.log; exit 3; }
