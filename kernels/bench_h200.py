@@ -865,7 +865,7 @@ def main():
                     res["compiled_check"] = f"{type(e).__name__}: {str(e)[:300]}"
                 st.restore(snap)
         fb, det = floor_bytes(ours, cfg, B, T)
-        best = min(v["ms_per_step"] for k, v in res.items() if isinstance(v, dict))
+        best = min(v["ms_per_step"] for k, v in res.items() if isinstance(v, dict) and "ms_per_step" in v)
         res.update({"ms_per_step": best, "tokens_per_s": round(B / best * 1e3, 1),
                     "floor_ms": round(fb / bps * 1e3, 4), "x_floor": round(best / (fb / bps * 1e3), 2),
                     "floor_bytes": fb, "floor_detail": det, "cache": cache_check(st, cfg)})
