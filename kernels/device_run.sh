@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # a package folder packed as .tar.xz (e.g. transformers without its other models, to fit the 64 MiB a call carries)
 for t in "$WHEELS"/*.tar.xz; do [ -f "$t" ] && tar xJf "$t" -C /tmp/kh_site && el "unpacked $(basename "$t")"; done
 # the package itself, imported as kimi_hybrid (with kimi_hybrid.kernels / .conversion / .app)
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . > /tmp/kh_pkg.log 2>&1 \
+rm -rf /tmp/kh_pkg; python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . > /tmp/kh_pkg.log 2>&1 \
   || { cat /tmp/kh_pkg.log; exit 3; }
 export PYTHONPATH=/tmp/kh_site:/tmp/kh_pkg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 # TRITON_CACHE_ROOT outside the copied tree (e.g. /tmp/khtc) keeps compiled kernels and inductor graphs between
