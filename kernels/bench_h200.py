@@ -14,7 +14,8 @@ would not finish, in this order of priority):
   cold       first prefill (4K) of each model: Triton autotuning included
   prefill    128K tokens (``--prefill``), batch 1, one call: seconds, tokens/s, peak memory over the weights
   decode     batch 1 at 4K: CUDA graph over a static cache, torch.compile-d (``GraphDecoder(compile=True)``) and plain;
-             native's own eager loop
+             native's own eager loop; ``compiled_check`` (:func:`decode_check`): the compiled step's logits vs eager
+             read against the model's own sensitivity to one bf16 rounding, and per layer teacher-forced
   long       ``--long`` tokens (1M) prefilled in ``--long-chunk`` pieces through the cache (the MLA attends over the
              cached prefix key block by key block), then graph decoding; peak memory vs weights + cache; cache bytes
              vs the closed-form formula
@@ -26,7 +27,9 @@ would not finish, in this order of priority):
              (native's own input to that layer); per-layer relative error; compiled vs eager per layer likewise
   fp32       fp32 on CUDA at small shapes: FLA ``chunk_kda`` (Triton fp32 dots: TF32 by default; IEEE when
              ``TRITON_F32_DEFAULT=ieee``) vs the fp64 reference, and whether a row's output depends on the other rows
-             of the batch (a row alone vs in a batch of 4); run in two subprocesses, one per dot precision
+             of the batch (:func:`batch_composition`: FLA chunk / recurrent KDA, our Triton KDA decode and expert
+             GEMVs, the tiny model's logits; fp32 and bf16; a row alone vs inside batches of 2 .. 9); run in two
+             subprocesses, one per dot precision
 Floors: bytes a decode step must read (embedding rows, attention weights, router + shared expert + the routed experts
 hit, final norm + lm_head, KDA states and MLA latents) / the HBM bandwidth measured in this run.
 
