@@ -17,15 +17,20 @@ T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kh_site \
   "${WHEELS:?set WHEELS to a folder of wheels}"/*.whl > /tmp/kh_pip.log 2>&1 || { cat /tmp/kh_pip.log; exit 3; }
+# a package folder packed as .tar.xz (e.g. transformers without its other models, to fit the 64 MiB a call carries)
+for t in "$WHEELS"/*.tar.xz; do [ -f "$t" ] && tar xJf "$t" -C /tmp/kh_site && el "unpacked $(basename "$t")"; done
 # the package itself, imported as kimi_hybrid (with kimi_hybrid.kernels / .conversion / .app)
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . > /tmp/kh_pkg.log 2>&1 \
+rm -rf /tmp/kh_pkg; python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . > /tmp/kh_pkg.log 2>&1 \
   || { cat /tmp/kh_pkg.log; exit 3; }
 export PYTHONPATH=/tmp/kh_site:/tmp/kh_pkg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-mkdir -p .triton_cache
+# TRITON_CACHE_ROOT outside the copied tree (e.g. /tmp/khtc) keeps compiled kernels and inductor graphs between
+# calls on a machine that stayed warm; the autotune tgz warms a fresh one
+CR=${TRITON_CACHE_ROOT:-$PWD/.triton_cache}
+mkdir -p "$CR"
 AUTOTUNE_TGZ=${AUTOTUNE_TGZ:-kernels/results/triton_autotune.tgz}
-[ -f "$AUTOTUNE_TGZ" ] && tar xzf "$AUTOTUNE_TGZ" -C .triton_cache && el "restored autotune results from $AUTOTUNE_TGZ"
-export TRITON_CACHE_DIR=$PWD/.triton_cache/triton TORCHINDUCTOR_CACHE_DIR=$PWD/.triton_cache/inductor
-save_cache() { (cd .triton_cache && find triton -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -); }
+[ -f "$AUTOTUNE_TGZ" ] && tar xzf "$AUTOTUNE_TGZ" -C "$CR" && el "restored autotune results from $AUTOTUNE_TGZ"
+export TRITON_CACHE_DIR=$CR/triton TORCHINDUCTOR_CACHE_DIR=$CR/inductor
+save_cache() { (cd "$CR" && find triton -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -); }
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   el "GPU tests"

@@ -216,3 +216,56 @@ def test_causal_bias_takes_the_unmasked_block_path(monkeypatch):
     got = _run(q, latent, proj, causal_lower_right(T, S), 16)
     assert calls == [(16, False, True), (16, False, True), (2, False, True), (6, True, True)]
     assert (got.double() - _reference(q, latent, proj, _bottom_right(T, S))).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "all_ones"])
+def test_model_chunked_prefill_takes_the_unmasked_block_path_at_every_piece(mask_kind, monkeypatch):
+    """The long-context route end to end (what ``bench_h200``'s 1M run does: ``model(piece, past_key_values=cache)``
+    piece after piece, without a mask or with an all-ones one as ``generate`` passes): the first piece is one SDPA
+    call, every later piece of every MLA layer goes key block by key block with no mask (prefix blocks full, the
+    piece's own block square causal), nothing is materialised into a dense mask, and the logits equal the one-shot
+    forward. (Before the CausalBias fix, pieces 2.. went to the dense-mask route: this test fails there.)"""
+    from torch.nn.attention.bias import CausalBias
+
+    cfg = preset_config("tiny-kda-first")
+    n_mla = cfg.layer_types.count("full_attention")
+    torch.manual_seed(0)
+    m = KimiHybridForCausalLM(cfg).eval()
+    B, T, P = 2, 96, 32  # pieces longer than mla_absorb_max_q_len (16): the decompressed route
+    ids = torch.randint(0, cfg.vocab_size, (B, T))
+    calls, one_shot = [], []
+    real_block, real_one = mla.block_attention_lse, mla._attend_one_shot
+
+    def spy_block(q, k, v, scale, causal=False, mask=None):
+        calls.append((len(one_shot), q.shape[2], k.shape[2], causal, mask is None))
+        return real_block(q, k, v, scale, causal=causal, mask=mask)
+
+    def spy_one(q, latent, *a, **kw):
+        one_shot.append((q.shape[1], latent.shape[1], a[1] is None))
+        return real_one(q, latent, *a, **kw)
+
+    def no_materialize(self, *a, **kw):
+        raise AssertionError("a chunked prefill without padding materialised its CausalBias into a dense mask")
+
+    monkeypatch.setattr(mla, "block_attention_lse", spy_block)
+    monkeypatch.setattr(mla, "_attend_one_shot", spy_one)
+    monkeypatch.setattr(CausalBias, "_materialize", no_materialize)
+    monkeypatch.setattr(mla, "KV_BLOCK_BYTES", 1)  # -> 16-key blocks: several prefix blocks per piece
+    with torch.no_grad():
+        full = m(ids, use_cache=False).logits
+        one_shot.clear()
+        cache = KimiHybridCache(cfg)
+        outs = []
+        for s in range(0, T, P):
+            kw = {"attention_mask": torch.ones(B, s + P, dtype=torch.long)} if mask_kind == "all_ones" else {}
+            outs.append(m(ids[:, s:s + P], past_key_values=cache, use_cache=True, **kw).logits)
+    assert (torch.cat(outs, 1) - full).abs().max().item() < 1e-4
+    # one SDPA call per MLA layer, for the first piece only (plain causal, no mask)
+    assert one_shot == [(P, P, True)] * n_mla
+    # pieces 2.. of every MLA layer: s // 16 full prefix blocks, then the piece's own keys in 16-key blocks (rows
+    # [a, a + 16) see their block causally, the rows after it see all of it), all unmasked
+    own = [(16, 16, True, True), (P - 16, 16, False, True), (16, 16, True, True)]
+    per_piece = [[(P, 16, False, True)] * (s // 16) + own for s in range(P, T, P)]
+    expected = [c for piece in per_piece for c in piece] * n_mla
+    assert sorted(c[1:] for c in calls) == sorted(expected)
+    assert all(c[4] for c in calls) and len(calls) == len(expected)
