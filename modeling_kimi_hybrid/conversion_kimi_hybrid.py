@@ -91,8 +91,10 @@ def checkpoint_conversion_mapping() -> list:
     the key in either naming.
     """
     return [
-        # the MoE sub-modules of sparse layers (and K3's latent-MoE projections); dense `mlp.gate_proj` never matches
-        WeightRenaming(source_patterns=r"\.block_sparse_moe\.(gate\.|shared_experts\.|experts\.|routed_expert_)",
+        # the MoE sub-modules of sparse layers (and K3's latent-MoE projections); dense `mlp.gate_proj` never matches.
+        # The dots inside the group are `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside a group when it
+        # reverses the pattern for saving, and `gate.` would then match `gate_proj` too
+        WeightRenaming(source_patterns=r"\.block_sparse_moe\.(gate[.]|shared_experts[.]|experts[.]|routed_expert_)",
                        target_patterns=r".mlp.\1"),
         # w1 (gate) then w3 (up) of every expert -> experts.gate_up_proj [E, 2F, D]
         WeightConverter(source_patterns=[r"\.experts.*.w1.weight", r"\.experts.*.w3.weight"],
