@@ -132,20 +132,15 @@ def ours_config_to_released(ours: dict, template: dict | None = None) -> dict:
 
 
 def detect_format(cfg: dict) -> str:
-    """Guess the checkpoint format from config.json alone: 'k3', 'ours', 'native' or 'released'."""
-    mt = cfg.get("model_type")
-    if mt == "kimi_k3" or "text_config" in cfg:
-        return "k3"
-    if mt == "kimi_hybrid":
-        return "ours"
-    if mt == "kimi_linear":
-        lac = cfg.get("linear_attn_config") or {}
-        if "gate_lower_bound" in lac or "use_full_rank_gate" in lac or cfg.get("attn_res_block_size"):
-            return "k3"
-        if "layer_types" in cfg or "linear_head_dim" in cfg:
-            return "native"
-        return "released"
-    raise ConfigError(f"unknown model_type {mt!r} (expected kimi_linear, kimi_k3 or kimi_hybrid)")
+    """Guess the checkpoint format from config.json alone: 'k3', 'ours', 'native' or 'released' (the model bundle's
+    ``checkpoint_format``, which ``from_pretrained`` also uses to decide what it loads directly). Raises ConfigError
+    for an unknown ``model_type``."""
+    from kimi_hybrid.conversion_kimi_hybrid import checkpoint_format
+
+    try:
+        return checkpoint_format(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def to_ours(cfg: dict, fmt: str) -> dict:

@@ -22,7 +22,9 @@ Layouts:
               released names except that dense layers get `block_sparse_moe.{gate,up,down}_proj`; the "native"
               reader accepts that variant too (`native-saved`).
   k3       -- Kimi K3 text backbone: `language_model.` prefix, MXFP4 experts, A_log [128] padded, K3-only keys.
-  ours     -- docs/LAYOUT.md.
+  ours     -- docs/LAYOUT.md. A folder of ours written by ``save_pretrained`` carries the released tensor names (the
+              checkpoint-conversion mapping of ``kimi_hybrid.conversion_kimi_hybrid``) with our config.json: the
+              export reads it as variant "saved".
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def dims(cfg: dict) -> dict:
 
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_RELEASED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 
 def logical_tensors(cfg: dict) -> list[Logical]:
@@ -269,12 +272,25 @@ def plan_to_ours(cfg: dict, src_format: str, variant: str = "") -> Plan:
     return plan
 
 
-def plan_ours_to_released(cfg: dict) -> Plan:
-    """Exact inverse of the released -> ours plan: ours (sources) -> released remote-code names (destinations)."""
+def plan_ours_to_released(cfg: dict, variant: str = "") -> Plan:
+    """Exact inverse of the released -> ours plan: ours (sources) -> released remote-code names (destinations).
+
+    variant "saved": the source folder is ours by its config but its tensors already carry the released names and
+    shapes (what ``save_pretrained`` writes through the registered checkpoint-conversion mapping), so every tensor is
+    copied under its own name. In either variant ``A_log`` is accepted as ``[H]`` or ``[1, 1, H, 1]`` (same bytes).
+    """
     fwd = plan_to_ours(cfg, "released")
-    plan = Plan("ours", "released", cfg)
+    plan = Plan("ours", "released", cfg, variant=variant)
+    H = dims(cfg)["H"]
+    if variant == "saved":
+        for rkey, spec in fwd.sources.items():
+            shapes = [spec.shape] + ([(H,)] if rkey.endswith("self_attn.A_log") else [])
+            plan.add_src(rkey, None, shapes=shapes)
+            rd = plan.add_dst(rkey, spec.shape, "same")
+            rd.pieces.append(Piece("copy", (rkey,), 0, numel(spec.shape), 0))
+        return plan
     for lt in logical_tensors(cfg):
-        plan.add_src(lt.key, lt.shape)
+        plan.add_src(lt.key, None, shapes=[lt.shape] + ([(1, 1, H, 1)] if lt.kind == "alog" else []))
     for dkey, d in fwd.dests.items():
         for pc in d.pieces:
             (rkey,) = pc.srcs
@@ -290,7 +306,7 @@ def plan_for(cfg: dict, src_format: str, dst_format: str = "ours", variant: str 
     if dst_format == "ours":
         return plan_to_ours(cfg, src_format, variant)
     if src_format == "ours" and dst_format == "released":
-        return plan_ours_to_released(cfg)
+        return plan_ours_to_released(cfg, variant)
     raise PlanError(f"no conversion from {src_format!r} to {dst_format!r}")
 
 
@@ -301,6 +317,10 @@ def detect_variant(src_format: str, keys) -> str:
         fused = any(k.endswith("self_attn.conv1d.weight") or ".forget_gate." in k or k.endswith("experts.gate_up_proj")
                     for k in keys)
         return "fused" if fused else "saved"
+    if src_format == "ours":
+        # released names written by save_pretrained (the registered checkpoint-conversion mapping) vs our own layout
+        saved = any(".block_sparse_moe." in k or _RELEASED_EXPERT.search(k) for k in keys)
+        return "saved" if saved else ""
     if src_format == "k3":
         parts = []
         if any(k.startswith("language_model.") for k in keys):

@@ -20,6 +20,10 @@ from typing import Any, Dict, List, Optional
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
+# registers transformers' checkpoint-conversion mapping released Kimi-Linear names <-> ours at import, in installed
+# and remote-code use alike (every model load imports this file first)
+from .conversion_kimi_hybrid import register_checkpoint_conversion  # noqa: F401
+
 logger = logging.get_logger(__name__)
 
 LINEAR = "linear_attention"
@@ -498,20 +502,22 @@ class KimiHybridConfig(PretrainedConfig):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Load our config, or a released Kimi-Linear / K3 ``config.json`` from a local folder (read as released)."""
+        """Load our config, or a released Kimi-Linear / K3 ``config.json`` from a local folder (read as released by
+        :meth:`from_released_dict`; other keyword arguments as ``PretrainedConfig.from_pretrained``)."""
         path = os.path.join(str(pretrained_model_name_or_path), "config.json")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
             if raw.get("model_type") in ("kimi_linear", "kimi_k3"):
-                logger.warning(
+                logger.info(
                     f"{pretrained_model_name_or_path} holds a released {raw['model_type']!r} config.json: read as "
-                    "KimiHybridConfig, but its weights use the released names and must be converted before "
-                    "KimiHybridForCausalLM loads them (kimi-hybrid-convert SRC OUT)")
-                cfg = cls.from_released_dict(raw)
-                for k, v in kwargs.items():
-                    setattr(cfg, k, v)
-                return cfg
+                    "KimiHybridConfig (KimiHybridForCausalLM loads released Kimi-Linear weights through the "
+                    "registered checkpoint-conversion mapping; K3, quantized and transformers-native folders need "
+                    "kimi-hybrid-convert SRC OUT first)")
+                # transformers' own handling of the remaining kwargs (hub options dropped, config attributes set,
+                # return_unused_kwargs honoured, as from_pretrained of a model passes it)
+                _, kwargs = cls.get_config_dict(pretrained_model_name_or_path, **kwargs)
+                return cls.from_dict(cls.from_released_dict(raw).to_dict(), **kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     def to_released_dict(self, template: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:

@@ -12,9 +12,7 @@ Papers / checkpoints: Kimi Linear (arXiv 2510.26692, moonshotai/Kimi-Linear-48B-
 (arXiv 2607.24653, moonshotai/Kimi-K3); exact math in docs/kda.md, docs/mla.md, docs/moe.md and docs/k3.md.
 """
 
-import json
 import math
-import os
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
@@ -43,6 +41,7 @@ except ImportError:  # pragma: no cover
 from .cache_kimi_hybrid import FULL, LINEAR, KDARecord, KimiHybridCache, kda_store
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
 from .configuration_kimi_hybrid import KimiHybridConfig
+from .conversion_kimi_hybrid import refuse_unmapped_folder
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
 # (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
@@ -654,30 +653,6 @@ def _weights_come_from_rank0() -> bool:
     return bool(is_fsdp_enabled() and not is_local_dist_rank_0())
 
 
-RELEASED_MODEL_TYPES = ("kimi_linear", "kimi_k3")  # config.json model_type of released / native checkpoints
-
-
-def _refuse_released_folder(source, subfolder: str, cls_name: str) -> None:
-    """Raise ValueError when ``source`` is a local folder holding a released Kimi-Linear / K3 (or transformers-native
-    ``kimi_linear``) checkpoint, whose tensor names and layout this model does not load, with the command that
-    converts it. Reads config.json only, never a weight file."""
-    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
-        return
-    path = os.path.join(source, subfolder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return  # no readable config here: transformers reports that itself
-    if model_type in RELEASED_MODEL_TYPES:
-        src = os.path.join(str(source), subfolder) if subfolder else str(source)
-        out = src.rstrip("/\\") + "-kimi-hybrid"
-        raise ValueError(
-            f"{src!r} holds a {model_type!r} checkpoint (released Kimi-Linear / K3 or transformers-native layout): "
-            f"its tensor names and fused layouts differ from {cls_name}'s, so no weight was loaded. Convert it once "
-            f"(streaming, verified) and load the output folder:\n    kimi-hybrid-convert {src} {out}")
-
-
 class KimiHybridPreTrainedModel(PreTrainedModel):
     """Weights init, fp32-kept parameters and the flags transformers reads."""
 
@@ -723,15 +698,24 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
                 unexpected ones ignored; both are still logged by transformers).
             *args, **kwargs: as ``PreTrainedModel.from_pretrained`` (``output_loading_info`` included).
 
+        A released Kimi-Linear folder (``block_sparse_moe.``, per-expert ``w1/w2/w3``, ``A_log [1, 1, H, 1]``) loads
+        directly through the checkpoint-conversion mapping registered in ``conversion_kimi_hybrid.py``, as does a
+        folder in our layout; ``save_pretrained`` then writes the released names whichever layout the model was
+        loaded from (``save_original_format=False``: ours).
+
         Raises:
-            ValueError: before any weight is read, for a local folder whose config.json is a released Kimi-Linear /
-                K3 or transformers-native ``kimi_linear`` one (its tensors use the released names; the message gives
-                the ``kimi-hybrid-convert SRC OUT`` command); missing or unexpected checkpoint keys.
+            ValueError: before any weight is read, for a local folder the mapping does not read (Kimi K3, a quantized
+                checkpoint, a transformers-native ``kimi_linear`` one; the message gives the ``kimi-hybrid-convert
+                SRC OUT`` command); missing or unexpected checkpoint keys.
         """
         source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        _refuse_released_folder(source, kwargs.get("subfolder") or "", cls.__name__)
+        refuse_unmapped_folder(source, kwargs.get("subfolder") or "", cls.__name__)
         want_info = bool(kwargs.pop("output_loading_info", False))
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        # transformers keeps only the transforms that matched the checkpoint for the next save; the A_log reshape
+        # also matches our own layout, so a model loaded from it would save a mixture of both namings. Dropping the
+        # record makes save_pretrained write the full mapping's (released) names whatever was loaded.
+        model._weight_conversions = None
         if strict_loading and not _weights_come_from_rank0():
             missing = sorted(info.get("missing_keys") or [])
             # a causal-LM checkpoint loaded into the bare decoder (AutoModel) legitimately leaves its head behind
@@ -744,7 +728,7 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
                     [f"{len(unexpected)} unexpected tensor(s): {show(unexpected)}"] if unexpected else [])
                 raise ValueError(
                     f"checkpoint {args[0] if args else kwargs.get('pretrained_model_name_or_path')!r} does not match "
-                    f"{cls.__name__}: " + "; ".join(parts) + ". A released Kimi-Linear / K3 or native kimi_linear "
+                    f"{cls.__name__}: " + "; ".join(parts) + ". A K3, quantized or transformers-native kimi_linear "
                     "checkpoint needs `kimi-hybrid-convert` first; pass strict_loading=False to load anyway (missing "
                     "tensors randomly initialised, unexpected ones dropped).")
         return (model, info) if want_info else model

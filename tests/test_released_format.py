@@ -1,5 +1,6 @@
-"""The released format has one source of truth: loading a released folder is refused before any weight is read,
-and the converters' tensor plan is the model's own state_dict (read on the meta device)."""
+"""The released format has one source of truth: a folder the registered checkpoint-conversion mapping cannot read
+(here a transformers-native one; K3 and quantized ones in test_conversion_mapping.py) is refused before any weight is
+read, and the converters' tensor plan is the model's own state_dict (read on the meta device)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ def _no_weight_reads(monkeypatch):
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
 
 
-def test_from_pretrained_refuses_a_released_folder_before_reading_weights(tmp_path, monkeypatch):
-    cfg = tiny_released_config()
-    src = tmp_path / "released"
+def test_from_pretrained_refuses_a_native_folder_before_reading_weights(tmp_path, monkeypatch):
+    cfg = tiny_released_config(layer_types=["linear_attention", "linear_attention", "full_attention",
+                                            "linear_attention"])
+    src = tmp_path / "native"
     write_checkpoint(str(src), cfg, released_tensors(cfg))
     # the same patch stops the load of one of our folders at its first weight read: it does intercept the reads
     ours = tmp_path / "ours"
