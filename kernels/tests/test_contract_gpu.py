@@ -32,9 +32,13 @@ def model_on_cuda(name="tiny-kda-first", dtype=torch.bfloat16, seed=0):
     return KimiHybridForCausalLM(preset_config(name)).eval().to("cuda", dtype)
 
 
-def test_compiled_decode_step_with_moe_is_one_graph_on_cuda():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)])
+def test_compiled_decode_step_with_moe_is_one_graph_on_cuda(dtype, tol):
+    """A fullgraph-compiled decode step equals the eager one. fp32: the same kernels, only inductor's fusions of the
+    elementwise math differ (bound 1e-3 relative). bf16: every fused op rounds differently; measured on the H200
+    1.19e-2 relative at the first step (commit 3927761; the tiny CPU model's bf16 gap is 9.9e-3), hence 2e-2."""
     torch._dynamo.reset()
-    model = model_on_cuda()
+    model = model_on_cuda(dtype=dtype)
     ids = torch.randint(3, 128, (2, 10), device="cuda")
     caches = [KimiHybridCache(model.config, max_cache_len=16) for _ in range(2)]
     step = torch.compile(model.forward, fullgraph=True)
@@ -44,7 +48,7 @@ def test_compiled_decode_step_with_moe_is_one_graph_on_cuda():
         for t in range(6, 10):
             want = model(ids[:, t:t + 1], past_key_values=caches[0], use_cache=True).logits
             got = step(input_ids=ids[:, t:t + 1], past_key_values=caches[1], use_cache=True).logits
-            assert rel(got, want) <= 1e-2, t
+            assert rel(got, want) <= tol, (t, rel(got, want))
 
 
 @pytest.mark.parametrize("path", ["fla", "ours"])

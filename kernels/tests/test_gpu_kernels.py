@@ -193,7 +193,7 @@ def test_short_conv_varlen_fla_vs_ref():
     cu = torch.tensor([0, 1, 3, 70, 200], device="cuda")
     x = torch.randn(1, 200, 192, device="cuda", generator=gen).bfloat16()
     w = torch.randn(192, 4, device="cuda", generator=gen).bfloat16()
-    s0 = torch.randn(4, 192, 3, device="cuda", generator=gen).bfloat16()
+    s0 = torch.randn(4, 192, 4, device="cuda", generator=gen).bfloat16()  # W-wide windows, one per document
     with torch.no_grad():
         y, st = kk.short_conv(x, w, s0, "silu", cu)
         y_ref, st_ref = kk.causal_conv1d_ref(x.float(), w.float(), s0.float(), "silu", cu)
