@@ -167,6 +167,18 @@ def test_save_load_roundtrip_and_refusals(preset, tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a kimi-hybrid cache"):
         KimiHybridCache.load(str(tmp_path / "other.safetensors"), m.config)
+    # a version-1 file (W-1 wide conv windows, before the cache took transformers' W-wide layout) still loads and
+    # continues exactly: the column it lacks is never read by the next token's convolution
+    from kimi_hybrid.cache_kimi_hybrid import _checksum
+
+    v1 = {k: (t[..., 1:].contiguous() if k.endswith("conv_state") else t) for k, t in tensors.items()}
+    save_file(v1, str(tmp_path / "v1.safetensors"), metadata={**meta, "version": "1", "sha256": _checksum(v1)})
+    old = KimiHybridCache.load(str(tmp_path / "v1.safetensors"), m.config)
+    assert old.get_conv_state(next(i for i, t in enumerate(m.config.layer_types)
+                                   if t == "linear_attention")).shape[-1] == m.config.linear_conv_kernel_size
+    with torch.no_grad():
+        lo1 = m(ids[:, 7:], attention_mask=mask2, past_key_values=old).logits
+    assert torch.equal(lo1, lo)
 
 
 _CHILD = r"""
