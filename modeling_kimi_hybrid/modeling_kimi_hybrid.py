@@ -739,6 +739,22 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
         ``grouped_mm``, which stays available on request."""
         return super().get_correct_experts_implementation("eager" if requested_experts is None else requested_experts)
 
+    def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
+        """transformers' check of ``attn_implementation`` (None -> ``"sdpa"``; an unknown name raises transformers'
+        ValueError ``Specified `attn_implementation="..."` is not supported``), except that flash attention and flex
+        attention are refused with a ValueError saying why: the MLA layers are not written for them (queries / keys
+        ``qk_nope + qk_rope`` wide, values ``v_head_dim`` wide, the KDA layers have no such switch), and the model
+        does not claim them (no ``_supports_flash_attn`` / ``_supports_flex_attn``). ``"sdpa"`` (the default, with
+        the model's own fused CUDA paths), ``"eager"`` and functions registered with
+        ``transformers.AttentionInterface`` are accepted (``KimiMLAttention`` documents each)."""
+        name = requested_attention or ""
+        if name.startswith("flash_attention") or "flex_attention" in name:
+            raise ValueError(
+                f'{type(self).__name__} does not support attn_implementation="{requested_attention}": its MLA layers '
+                "run 'sdpa' (the default, with fused CUDA kernels of their own), 'eager', or a function registered "
+                "with transformers.AttentionInterface; flash attention / flex attention are not implemented for "
+                "them (query / key and value head dims differ).")
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
 
     @classmethod
