@@ -20,6 +20,11 @@ Three ways to attend, picked by :func:`attend_decompressed` / :func:`attend_late
   boolean mask, and on CPU, blocks run in plain PyTorch (fp32 scores, queries also blocked to bound the scores).
 * **latent** (decode, a few new tokens): attention in latent space, the query absorbs ``W_UK`` and the output
   ``W_UV`` (:func:`attend_latent`).
+
+A fourth way serves transformers' attention interface (``config._attn_implementation`` other than ``"sdpa"``):
+:func:`attend_interface` decompresses all keys once and calls a function with transformers' signature (``"eager"``:
+:func:`mla_eager_attention_forward`, explicit fp32 probabilities; or a function registered with
+``transformers.AttentionInterface``) with an additive float mask (:func:`interface_mask`).
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend_decompressed", "attend_latent", "decompress_kv", "merge_partials", "block_attention_lse",
-           "fused_backend", "KV_BLOCK_BYTES", "SCORE_BLOCK_BYTES"]
+__all__ = ["attend_decompressed", "attend_latent", "attend_interface", "decompress_kv", "merge_partials",
+           "block_attention_lse", "fused_backend", "interface_mask", "mla_eager_attention_forward", "KV_BLOCK_BYTES",
+           "SCORE_BLOCK_BYTES"]
 
 # decompressed K + V of one key block (bf16, batch x heads x (qk + v) per token); 2 GiB = 104K tokens at B=1, H=32
 KV_BLOCK_BYTES = 2 * 2**30
@@ -430,3 +436,102 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tens
     ctx = ctx.view(B * T, H, r).transpose(0, 1)
     out = torch.bmm(ctx, w_uv.transpose(1, 2).to(ctx.dtype))  # [H, B*T, v]
     return out.transpose(0, 1).reshape(B, T, H, dv)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers' attention interface (config._attn_implementation other than "sdpa")
+# ----------------------------------------------------------------------------------------------------------------
+
+def mla_eager_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                attention_mask: Optional[torch.Tensor], scaling: float, dropout: float = 0.0,
+                                **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Explicit attention with transformers' attention-interface signature (the ``"eager"`` implementation of the
+    MLA layers, and their ``output_attentions`` path).
+
+    Args:
+        module: the calling attention module (only ``module.training`` is read, for dropout).
+        query: ``[B, H, T, d]``; key: ``[B, H, S, d]``; value: ``[B, H, S, dv]`` (``dv`` may differ from ``d``).
+        attention_mask: None (no mask: every query sees every key), an additive float mask broadcastable to
+            ``[B, H, T, S]`` (0 = attend, a large negative value = masked, as transformers' ``eager_mask``), or a bool
+            mask (True = attend).
+        scaling: the score scale. dropout: probability dropout, applied only when ``module.training``.
+        **kwargs: transformers' extra keywords (ignored).
+
+    Returns ``(out [B, T, H, dv], probs [B, H, T, S])``, both in the query dtype. Unlike transformers'
+    ``eager_attention_forward`` the scores are computed in fp32 (inputs upcast) as well as the softmax, so fp32 and
+    16-bit runs see the same reference math; no head repetition (MLA has as many key / value heads as query heads).
+    """
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask.float()
+    probs = scores.softmax(-1).to(query.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout, training=getattr(module, "training", False))
+    out = torch.matmul(probs, value.to(probs.dtype))
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def interface_mask(attn_mask, B: int, T: int, S: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The mask handed to a transformers attention-interface function: additive float ``[B | 1, 1, T, S]`` in
+    ``dtype``, 0 where a query attends and ``torch.finfo(dtype).min`` where it does not (the format of transformers'
+    ``eager_mask``, which ``eager_attention_forward`` adds to its scores and ``sdpa_attention_forward`` passes to SDPA
+    as is). Always materialised, never None: transformers' sdpa function reads a None mask as top-left causal and
+    drops keys past T, which is wrong with a prefix.
+
+    ``attn_mask``: the MLA's mask: None (bottom-right causal: query i sees keys ``j <= i + S - T``), a
+    ``torch.nn.attention.bias.CausalBias`` or bool ``[B | 1, 1, T, S]`` (True = attend). Raises ValueError on
+    anything else (a float mask, a wrong shape)."""
+    if attn_mask is None:
+        q_abs = torch.arange(T, device=device) + (S - T)
+        attn_mask = (torch.arange(S, device=device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
+    elif type(attn_mask).__name__ == "CausalBias":
+        attn_mask = attn_mask._materialize(device).view(1, 1, T, S)
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        raise ValueError(f"attn_mask must be a bool tensor [B, 1, T, S], a CausalBias or None; got "
+                         f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
+    if attn_mask.dim() != 4 or tuple(attn_mask.shape[-2:]) != (T, S) or attn_mask.shape[0] not in (1, B):
+        raise ValueError(f"attn_mask must have shape [{B} | 1, 1, {T}, {S}]; got {tuple(attn_mask.shape)}")
+    zero = torch.zeros((), device=device, dtype=dtype)
+    return torch.where(attn_mask, zero, torch.finfo(dtype).min)
+
+
+def attend_interface(attention_fn: Callable, module: torch.nn.Module, q: torch.Tensor, latent: torch.Tensor,
+                     kv_b_proj: Callable[[torch.Tensor], torch.Tensor], attn_mask, *, num_heads: int,
+                     kv_lora_rank: int, nope: int, v_dim: int, scaling: float, pad_v: bool = False,
+                     dropout: float = 0.0, **kwargs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """MLA over decompressed keys through a transformers attention-interface function.
+
+    Args:
+        attention_fn: called as ``attention_fn(module, query [B, H, T, qk], key [B, H, S, qk], value [B, H, S, v'],
+            attention_mask, scaling=scaling, dropout=dropout, **kwargs)`` and expected to return
+            ``(out [B, T, H, v'], weights or None)`` (transformers' convention, e.g. ``eager_attention_forward``,
+            ``sdpa_attention_forward`` or a function registered with ``transformers.AttentionInterface``).
+        module: the calling attention module (passed through; transformers' functions read ``training``,
+            ``is_causal``, ``num_key_value_groups``, ``layer_idx`` from it).
+        q: ``[B, T, H, nope + rope]``; latent: ``[B, S, kv_lora_rank + rope]`` (prefix then the new tokens).
+        kv_b_proj: the up-projection (called, so adapters apply).
+        attn_mask: None (bottom-right causal), a ``CausalBias`` or bool ``[B | 1, 1, T, S]``; handed over as the
+            additive float mask of :func:`interface_mask` in q's dtype.
+        pad_v: pad values with zeros to the query / key head dim (for kernels that need equal head dims, e.g. flash
+            attention) and slice the output back to ``v_dim``.
+
+    Returns ``(out [B, T, H, v_dim], weights)`` with ``out`` in q's dtype and ``weights`` whatever the function
+    returned (``[B, H, T, S]`` probabilities for the eager function, None for sdpa). Raises ValueError on a bad mask
+    (:func:`interface_mask`) or when the function returns an output of another shape.
+    """
+    B, T, H, Dqk = q.shape
+    S = latent.shape[1]
+    k, v = decompress_kv(latent, kv_b_proj, num_heads, kv_lora_rank, nope, v_dim)
+    qh, kh, vh = q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2)
+    if pad_v and v_dim < Dqk:
+        vh = F.pad(vh, (0, Dqk - v_dim))
+    mask = interface_mask(attn_mask, B, T, S, q.device, q.dtype)
+    out, weights = attention_fn(module, qh, kh, vh, mask, scaling=scaling, dropout=dropout, **kwargs)
+    if out.dim() != 4 or tuple(out.shape[:3]) != (B, T, H) or out.shape[-1] != vh.shape[-1]:
+        raise ValueError(f"the attention function {getattr(attention_fn, '__name__', attention_fn)!r} returned an "
+                         f"output of shape {tuple(out.shape)}; expected [{B}, {T}, {H}, {vh.shape[-1]}] "
+                         "(transformers' convention: [batch, query length, heads, head dim])")
+    return out[..., :v_dim].to(q.dtype), weights

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 try:
@@ -48,7 +49,9 @@ from .kda_kimi_hybrid import short_conv_update
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
 from .norms_kimi_hybrid import KimiGatedRMSNorm, KimiRMSNorm
 from .mla_kimi_hybrid import attend_decompressed as _mla_attend_decompressed
+from .mla_kimi_hybrid import attend_interface as _mla_attend_interface
 from .mla_kimi_hybrid import attend_latent as _mla_attend_latent
+from .mla_kimi_hybrid import mla_eager_attention_forward
 
 __all__ = [
     "KimiHybridPreTrainedModel",
@@ -446,6 +449,23 @@ class KimiMLAttention(nn.Module):
     query absorbs ``W_UK`` and the output ``W_UV`` (both slices of ``kv_b_proj.weight``), so a step reads only the
     ``T x (kv_lora_rank + rope)`` latents. When ``kv_b_proj`` is not a plain ``nn.Linear`` (a PEFT LoRA wrapper, a
     quantised layer) the absorbed path is skipped and the module is called, so an adapter is always honoured.
+
+    ``config._attn_implementation`` (transformers' attention interface) picks the attention over decompressed keys:
+
+    * ``"sdpa"`` or None: the paths above (one-shot / blockwise SDPA, absorbed latent decode).
+    * ``"eager"``: ``ALL_ATTENTION_FUNCTIONS.get_interface("eager", mla_eager_attention_forward)``, explicit fp32
+      probabilities over all decompressed keys. The absorbed latent decode stays in use under ``"eager"``: it is
+      the same math (the same scores, fp32 softmax, the same weighted sum of values), associated differently in
+      latent space and written in plain PyTorch, whereas decompressing the whole prefix at every decoded token
+      would cost ``S x H x (qk + v)`` per step for nothing.
+    * any other registered name (``transformers.AttentionInterface.register(name, fn)``): that function, called
+      on every MLA attention (decode included, over decompressed keys) with transformers' convention and an
+      additive float mask (``mla_kimi_hybrid.attend_interface``); values are padded to the key head dim for names
+      containing ``"flash"``.
+
+    ``output_attentions=True`` returns the probabilities of the eager function (under ``"sdpa"`` too); under a
+    registered function, whatever that function returns as weights. Flash attention / flex attention are refused
+    when set (:meth:`KimiHybridPreTrainedModel.get_correct_attn_implementation`).
     """
 
     def __init__(self, config: KimiHybridConfig, layer_idx: int):
@@ -470,6 +490,9 @@ class KimiMLAttention(nn.Module):
         if config.mla_use_output_gate:
             self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
         self.scaling = self.qk_dim ** -0.5
+        # read by transformers' attention functions: one key / value head per query head, causal decoder
+        self.num_key_value_groups = 1
+        self.is_causal = True
 
     # the absorbed decode reads kv_b_proj.weight directly: fire its accelerate hook (CPU / disk offload)
     @force_accelerate_hooks("kv_b_proj")
@@ -495,9 +518,13 @@ class KimiMLAttention(nn.Module):
         absorbed = (cache is not None and not torch.is_grad_enabled() and T <= self.config.mla_absorb_max_q_len
                     and type(self.kv_b_proj) is nn.Linear and latent.shape[1] > T)
         weights = None
-        if output_attentions:
-            out, weights = self._attend_eager(q, latent, attn_mask)
-        elif absorbed:
+        impl = getattr(self.config, "_attn_implementation", None)
+        if output_attentions and impl in (None, "sdpa"):  # explicit probabilities: the eager function
+            out, weights = self._attend_interface(mla_eager_attention_forward, q, latent, attn_mask)
+        elif output_attentions or impl not in (None, "sdpa", "eager") or (impl == "eager" and not absorbed):
+            attention_fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, mla_eager_attention_forward)
+            out, weights = self._attend_interface(attention_fn, q, latent, attn_mask, pad_v="flash" in impl)
+        elif absorbed:  # "sdpa", None and "eager": the same math in latent space (class docstring)
             out = self._attend_latent(q, latent, attn_mask)
         else:
             out = self._attend_decompressed(q, latent, attn_mask)
@@ -508,24 +535,20 @@ class KimiMLAttention(nn.Module):
         return (out, weights) if output_attentions else out
 
     def _attend_eager(self, q, latent, attn_mask):
-        """Decompressed attention with explicit probabilities (``output_attentions``): ``q [B, T, H, nope + rope]``,
-        ``latent [B, S, r + rope]``, ``attn_mask`` as :meth:`forward` (or a ``CausalBias``). Returns
-        ``(out [B, T, H, v], probs [B, H, T, S])``; scores and softmax in fp32."""
-        B, T, H, _ = q.shape
-        S = latent.shape[1]
-        c_kv, k_pe = latent.split([self.r, self.rope], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(B, S, H, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, S, H, self.rope)], dim=-1)
-        scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * self.scaling
-        if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":
-            attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
-        if attn_mask is None:
-            q_abs = torch.arange(T, device=q.device) + (S - T)
-            attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
-        probs = scores.masked_fill(~attn_mask, float("-inf")).softmax(-1).to(q.dtype)
-        out = torch.einsum("bhts,bshd->bthd", probs, v.to(probs.dtype))
-        return out, probs
+        """Decompressed attention with explicit probabilities (``mla_eager_attention_forward``): ``q [B, T, H,
+        nope + rope]``, ``latent [B, S, r + rope]``, ``attn_mask`` as :meth:`forward` (or a ``CausalBias``).
+        Returns ``(out [B, T, H, v], probs [B, H, T, S])``; scores and softmax in fp32."""
+        return self._attend_interface(mla_eager_attention_forward, q, latent, attn_mask)
+
+    def _attend_interface(self, attention_fn, q, latent, attn_mask, pad_v: bool = False):
+        """``q [B, T, H, nope + rope]`` over the decompressed keys of ``latent [B, S, r + rope]`` through
+        ``attention_fn``, a function with transformers' attention-interface signature
+        (``mla_kimi_hybrid.attend_interface``; ``attn_mask`` as :meth:`forward`, handed over as an additive float
+        mask). Returns ``(out [B, T, H, v], weights or None)``."""
+        # no attention dropout: the model has none (the SDPA paths run with dropout 0 as well)
+        return _mla_attend_interface(attention_fn, self, q, latent, self.kv_b_proj, attn_mask,
+                                     num_heads=self.num_heads, kv_lora_rank=self.r, nope=self.nope, v_dim=self.v_dim,
+                                     scaling=self.scaling, pad_v=pad_v, dropout=0.0)
 
     def _attend_decompressed(self, q, latent, attn_mask):
         """``q [B, T, H, nope + rope]`` over the decompressed keys of ``latent [B, S, r + rope]``; one SDPA call
@@ -685,6 +708,23 @@ class KimiHybridPreTrainedModel(PreTrainedModel):
         device paths (grouped GEMM on CUDA, expert GEMVs at decode, the capture-safe paths), not transformers'
         ``grouped_mm``, which stays available on request."""
         return super().get_correct_experts_implementation("eager" if requested_experts is None else requested_experts)
+
+    def get_correct_attn_implementation(self, requested_attention: Optional[str], is_init_check: bool = False) -> str:
+        """transformers' check of ``attn_implementation`` (None -> ``"sdpa"``; an unknown name raises transformers'
+        ValueError ``Specified `attn_implementation="..."` is not supported``), except that flash attention and flex
+        attention are refused with a ValueError saying why: the MLA layers are not written for them (queries / keys
+        ``qk_nope + qk_rope`` wide, values ``v_head_dim`` wide, the KDA layers have no such switch), and the model
+        does not claim them (no ``_supports_flash_attn`` / ``_supports_flex_attn``). ``"sdpa"`` (the default, with
+        the model's own fused CUDA paths), ``"eager"`` and functions registered with
+        ``transformers.AttentionInterface`` are accepted (``KimiMLAttention`` documents each)."""
+        name = requested_attention or ""
+        if name.startswith("flash_attention") or "flex_attention" in name:
+            raise ValueError(
+                f'{type(self).__name__} does not support attn_implementation="{requested_attention}": its MLA layers '
+                "run 'sdpa' (the default, with fused CUDA kernels of their own), 'eager', or a function registered "
+                "with transformers.AttentionInterface; flash attention / flex attention are not implemented for "
+                "them (query / key and value head dims differ).")
+        return super().get_correct_attn_implementation(requested_attention, is_init_check)
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "e_score_correction_bias"]
 
     @classmethod
