@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_decoding.py and tests/test_sessions.py (tiny vocab 128; ids 0..2 are specials)."""
+"""Helpers shared by the tests (tiny vocab 128; ids 0..2 are specials)."""
 
 import pytest
 import torch
@@ -34,3 +34,39 @@ def gen(model, ids, **kw):
     kw.setdefault("pad_token_id", PAD)
     with torch.no_grad():
         return model.generate(ids, **kw)
+
+
+def tiny_random_model(name="tiny-kda-first", seed=0, bias=True, **over):
+    """A tiny random ``KimiHybridForCausalLM`` of preset ``name`` (eval mode, fp32). ``bias``: give the routers a
+    non-zero correction bias (it only chooses experts, never weights them: a zero bias would hide that)."""
+    from kimi_hybrid import KimiHybridForCausalLM
+    from presets import preset_config
+
+    torch.manual_seed(seed)
+    model = KimiHybridForCausalLM(preset_config(name, **over)).eval()
+    if bias:
+        with torch.no_grad():
+            for mod in model.modules():
+                if hasattr(mod, "e_score_correction_bias"):
+                    mod.e_score_correction_bias.normal_(0, 0.2)
+    return model
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest absolute difference of two tensors, compared in fp32."""
+    return (a.float() - b.float()).abs().max().item()
+
+
+def no_weight_reads(monkeypatch):
+    """Make every safetensors read that transformers' loading can do fail loudly (a refusal must come before any
+    weight is read)."""
+    import safetensors
+    import safetensors.torch
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight file was opened")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_open", refuse)
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)

@@ -16,6 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import kimi_hybrid.modeling_kimi_hybrid as mk
 from kimi_hybrid import KimiHybridForCausalLM
 from kimi_hybrid.mla_kimi_hybrid import interface_mask
+from decoding_helpers import max_abs_diff, rand_ids, tiny_random_model
 from presets import preset_config
 
 TOL = 1e-5
@@ -23,21 +24,11 @@ PRESETS = ["tiny-kda-first", "tiny-mla-first"]
 
 
 def tiny(name, seed=0):
-    torch.manual_seed(seed)
-    model = KimiHybridForCausalLM(preset_config(name)).eval()
-    with torch.no_grad():
-        for mod in model.modules():
-            if hasattr(mod, "e_score_correction_bias"):
-                mod.e_score_correction_bias.normal_(0, 0.2)
-    return model
+    return tiny_random_model(name, seed=seed)
 
 
-def ids_of(*shape, seed=1):
-    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def maxdiff(a, b):
-    return (a.float() - b.float()).abs().max().item()
+ids_of = rand_ids
+maxdiff = max_abs_diff
 
 
 def n_mla(model):

@@ -15,10 +15,7 @@ import json
 import os
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
-import transformers.modeling_utils
 from conversion_fixtures import (
     read_all,
     released_tensors,
@@ -27,6 +24,7 @@ from conversion_fixtures import (
     tiny_released_config,
     write_checkpoint,
 )
+from decoding_helpers import no_weight_reads
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -137,14 +135,7 @@ def test_released_folder_with_a_missing_tensor_is_refused(released, tmp_path):
         KimiHybridForCausalLM.from_pretrained(tmp_path / "broken")
 
 
-def _no_weight_reads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a weight file was opened")
-
-    monkeypatch.setattr(transformers.modeling_utils, "safe_open", refuse)
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
-
+_no_weight_reads = no_weight_reads
 
 @pytest.mark.parametrize("kind", ["k3", "quantized", "native"])
 def test_unmapped_folders_are_refused_with_the_convert_command(kind, tmp_path, monkeypatch):

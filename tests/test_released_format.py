@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
-import transformers.modeling_utils
 from conversion_fixtures import released_tensors, tiny_released_config, write_checkpoint
+from decoding_helpers import no_weight_reads
 from presets import preset_config
 
 from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
@@ -22,15 +20,7 @@ TINY = ["tiny-kda-first", "tiny-mla-first", "tiny-k3", "tiny-k3-softplus", "tiny
 FP32_SUFFIXES = (".self_attn.A_log", ".self_attn.dt_bias", ".gate.e_score_correction_bias")
 
 
-def _no_weight_reads(monkeypatch):
-    """Make every safetensors read that transformers' loading can do fail loudly."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a weight file was opened")
-
-    monkeypatch.setattr(transformers.modeling_utils, "safe_open", refuse)
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
-
+_no_weight_reads = no_weight_reads
 
 def test_from_pretrained_refuses_a_native_folder_before_reading_weights(tmp_path, monkeypatch):
     cfg = tiny_released_config(layer_types=["linear_attention", "linear_attention", "full_attention",

@@ -23,6 +23,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+from decoding_helpers import max_abs_diff, rand_ids, tiny_random_model
 from presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,22 +32,11 @@ TOL = 1e-5
 
 def tiny(name="tiny-kda-first", seed=0, bias=True, **over):
     """A tiny random model (eval mode). ``bias``: a non-zero router correction bias ("bias only chooses")."""
-    torch.manual_seed(seed)
-    model = KimiHybridForCausalLM(preset_config(name, **over)).eval()
-    if bias:
-        with torch.no_grad():
-            for mod in model.modules():
-                if hasattr(mod, "e_score_correction_bias"):
-                    mod.e_score_correction_bias.normal_(0, 0.2)
-    return model
+    return tiny_random_model(name, seed=seed, bias=bias, **over)
 
 
-def ids_of(*shape, seed=1):
-    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def maxdiff(a, b):
-    return (a.float() - b.float()).abs().max().item()
+ids_of = rand_ids
+maxdiff = max_abs_diff
 
 
 def minor(v):
