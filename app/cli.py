@@ -444,6 +444,8 @@ def run_generation(model, tokenizer, input_ids, args, out=None, healing: Optiona
     import torch
     from transformers import LogitsProcessorList
 
+    from kimi_hybrid.compat_kimi_hybrid import output_cache
+
     out = out or sys.stdout
     skip = len(healing.removed_text) if healing else 0
     streamer = None if args.no_stream else _Streamer(tokenizer, out, skip_chars=skip)
@@ -458,7 +460,7 @@ def run_generation(model, tokenizer, input_ids, args, out=None, healing: Optiona
         out.write(text)
     out.write("\n")
     out.flush()
-    return text, res.past_key_values
+    return text, output_cache(res)  # the cache under either transformers' field name, no deprecation warning
 
 
 class _Streamer:

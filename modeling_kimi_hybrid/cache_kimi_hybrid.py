@@ -96,7 +96,7 @@ FULL = "full_attention"
 
 
 def config_fingerprint(config) -> Dict[str, Any]:
-    """The config fields a cache depends on (layer plan and every cached tensor's width)."""
+    """The config fields a cache depends on (layer plan and every cached tensor's width, ``last_hidden``'s too)."""
     return {
         "layer_types": list(config.layer_types),
         "linear_num_heads": int(config.linear_attn_config["num_heads"]),
@@ -104,6 +104,7 @@ def config_fingerprint(config) -> Dict[str, Any]:
         "short_conv_kernel_size": int(config.linear_attn_config["short_conv_kernel_size"]),
         "kv_lora_rank": int(config.kv_lora_rank),
         "qk_rope_head_dim": int(config.qk_rope_head_dim),
+        "hidden_size": int(config.hidden_size),  # the width of last_hidden (dynamic caches)
     }
 
 
@@ -1003,10 +1004,11 @@ class KimiHybridCache(Cache):
             if is_kda_layer(layer):
                 rec = self.records[i]
                 if rec is None or rec.end != cur or not (rec.anchor <= target <= rec.end):
-                    window = None if rec is None or rec.end != cur else (rec.anchor, rec.end)
+                    window = ("no tokens are recorded" if rec is None or rec.end != cur else
+                              f"its recorded window is positions [{rec.anchor}, {rec.end}]")
                     raise ValueError(
                         f"cannot crop KDA layer {i} from {cur} to {target} tokens: a recurrent state can only be "
-                        f"rolled back inside its recorded window {window} (positions [anchor, end]). Call "
+                        f"rolled back inside its recorded window, and {window}. Call "
                         f"activate_past_recording() before the forwards to undo (a packed forward, or one run with "
                         f"recording off, ends the record), undo at most kda_record_max_tokens="
                         f"{self.config.kda_record_max_tokens} tokens, or use snapshot()/restore() for longer "
@@ -1152,6 +1154,9 @@ class KimiHybridCache(Cache):
             raise ValueError(f"{path}: checksum mismatch, the file is corrupt")
         fp = json.loads(meta["fingerprint"])
         want = config_fingerprint(config)
+        if "hidden_size" not in fp and "last_hidden" in tensors:  # files written before the fingerprint held it
+            fp["hidden_size"] = int(tensors["last_hidden"].shape[-1])
+        fp.setdefault("hidden_size", want["hidden_size"])
         if fp != want:
             raise ValueError(f"{path} was saved from a model whose config does not match this one: {_diff(fp, want)}")
         max_len = json.loads(meta.get("static", "null"))

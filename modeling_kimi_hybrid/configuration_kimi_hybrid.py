@@ -120,14 +120,12 @@ def _expert_parallel_plan() -> Dict[str, str]:
     (``moe_tp_experts``). Both shard ``gate_up_proj [E, 2F, D_e]`` and ``down_proj [E, D_e, F]`` on the expert dim
     (``grouped_gemm``); :class:`KimiExperts` skips the off-rank routes they mark with the id ``num_experts``.
     """
-    import importlib.util
-
     sharded = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
     try:
-        spec = importlib.util.find_spec("transformers.distributed.expert_parallel")
-    except (ImportError, ValueError):  # pragma: no cover - no transformers.distributed
-        spec = None
-    if spec is not None and "EpDispatchExpertsParallel" in open(spec.origin, encoding="utf-8").read():
+        from transformers.distributed import expert_parallel
+    except ImportError:  # transformers 5.17: no expert-dispatch style
+        expert_parallel = None
+    if hasattr(expert_parallel, "EpDispatchExpertsParallel"):
         return {**sharded, "layers.*.mlp.experts": "ep_dispatch_experts"}
     return {"layers.*.mlp.gate": "ep_router", **sharded, "layers.*.mlp.experts": "moe_tp_experts"}
 

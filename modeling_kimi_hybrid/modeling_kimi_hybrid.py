@@ -125,6 +125,28 @@ def _graph_capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _check_position_ids(position_ids: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
+    """``position_ids`` as ``[B | 1, T]`` integers (a 1-D ``[T]`` is taken as one row for every batch row), or None.
+    This model has no rotary embedding: position ids only mark packed documents (a restart at 0).
+
+    Raises:
+        ValueError: not integers, more than 2 dimensions, or a shape that is not ``[B | 1, T]`` / ``[T]``.
+    """
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex() \
+            or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be an integer tensor [batch, seq], got "
+                         f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; for input of batch {B} and {T} tokens "
+                         f"it must be [{B}, {T}] (or [1, {T}] / [{T}] for every row). generate derives them from "
+                         "attention_mask: check that it has one 0/1 column per input token and the input's batch")
+    return position_ids.expand(B, T) if position_ids.shape[0] != B else position_ids
+
+
 def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
@@ -870,8 +892,9 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
 
         Raises:
             TypeError: a keyword this model does not take (never silently ignored).
-            ValueError: a 4-D mask, a cache of another model, batch mismatches, packed inputs with a given cache,
-                disagreeing packing keywords, ``is_causal=False``, or a static cache that would overflow.
+            ValueError: a 4-D mask, a cache of another model, batch mismatches, ``position_ids`` not ``[B | 1, T]``
+                integers, packed inputs with a given cache, disagreeing packing keywords, ``is_causal=False``, or a
+                static cache that would overflow.
         """
         if kwargs:
             raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword argument(s) "
@@ -898,6 +921,9 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             kda_mask = _visible_from_4d_mask(attention_mask, B, T)
             mla_mask = kda_mask.unsqueeze(1)
         else:
+            if attention_mask is not None and attention_mask.dim() == 2:  # the mask's own errors first
+                _check_attention_mask(attention_mask, B, T, 0, True)
+            position_ids = _check_position_ids(position_ids, B, T)
             cache = self._prepare_cache(past_key_values, use_cache, inputs_embeds)
             # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
             # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)

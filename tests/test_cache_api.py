@@ -455,3 +455,21 @@ def test_static_generation_feeds_a_fixed_shape_mask(preset, monkeypatch):
     a = gen(m, ids, attention_mask=mask, max_new_tokens=5)
     assert [s[0] for s in seen] == [(2, 7 + i) for i in range(5)], seen
     assert torch.equal(a, b)
+
+
+def test_cache_of_a_model_with_another_hidden_size_refused(tmp_path):
+    """The fingerprint holds every cached width, ``last_hidden``'s too: a cache written by a model of another
+    hidden size is refused by the forward and by ``load`` (before: accepted, then a shape error deep in the
+    forward or a silently loaded file)."""
+    m = get_model("tiny-kda-first")
+    other = KimiHybridForCausalLM(preset_config("tiny-kda-first", hidden_size=96)).eval()
+    ids = rand_ids(2, 6, seed=70)
+    c = KimiHybridCache(other.config)
+    with torch.no_grad():
+        other(ids, past_key_values=c)
+    with pytest.raises(ValueError, match="hidden_size: cache has 96, model has 64"):
+        m(ids[:, -1:], past_key_values=c)
+    path = str(tmp_path / "c.safetensors")
+    c.save(path)
+    with pytest.raises(ValueError, match="hidden_size: cache has 96, model has 64"):
+        KimiHybridCache.load(path, m.config)

@@ -98,7 +98,7 @@ def test_static_snapshot_restore_and_memory_report(preset):
         c.activate_past_recording()
         m(ids[:, 6:9], past_key_values=c)  # recorded 6..9
         c.restore(other)
-        with pytest.raises(ValueError, match="recorded window None"):
+        with pytest.raises(ValueError, match="no tokens are recorded"):
             c.crop(-1)
         c.deactivate_past_recording()
         c.restore(snap)

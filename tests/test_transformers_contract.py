@@ -508,3 +508,48 @@ def test_model_row_output_batch_composition_bound():
             for n in range(1, 8):
                 worst = max(worst, maxdiff(model(torch.cat([others[:n], x])).logits[n], alone))
     assert worst <= 1e-6
+
+
+def test_position_ids_checked():
+    """position_ids only mark packed documents here (no rotary), but a wrong one is refused, never ignored: not
+    integers, or a shape other than [B | 1, T] / [T]."""
+    model = tiny()
+    ids = ids_of(2, 8)
+    ref = model(ids).logits
+    with torch.no_grad():
+        for ok in (torch.arange(8), torch.arange(8)[None], torch.arange(8).expand(2, 8)):
+            assert maxdiff(model(ids, position_ids=ok).logits, ref) == 0.0
+        for bad, what in ((torch.arange(3)[None], r"shape \(1, 3\)"), (torch.tensor([[0, 1, 0]]), r"shape \(1, 3\)"),
+                          (torch.arange(8).expand(3, 8), r"shape \(3, 8\)"), (torch.zeros(2, 1, 8, dtype=torch.long),
+                                                                               r"shape \(2, 1, 8\)"),
+                          (torch.arange(8.0)[None], "integer tensor")):
+            with pytest.raises(ValueError, match=what):
+                model(ids, position_ids=bad)
+
+
+def test_generate_refuses_a_mask_of_another_shape():
+    """An all-ones mask of the wrong length or batch used to pass through generate (transformers drops an all-ones
+    mask but builds position ids from it, which the forward ignored); now they are refused, naming the mask."""
+    model = tiny()
+    ids = ids_of(1, 8)
+    for bad in (torch.ones(1, 7, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)):
+        with pytest.raises(ValueError, match="one 0/1 column per input token and the input's batch"):
+            model.generate(ids, attention_mask=bad, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    good = model.generate(ids, attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=3, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(good, model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+
+
+def test_cli_reads_the_cache_without_deprecation_warnings():
+    """The CLI (and users through kimi_hybrid.compat_kimi_hybrid.output_cache) read the returned cache under the
+    installed transformers' field name: no FutureWarning on 5.24, where `past_key_values` is deprecated."""
+    from kimi_hybrid.compat_kimi_hybrid import output_cache
+
+    model = tiny()
+    res = model.generate(ids_of(1, 5), max_new_tokens=2, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cache = output_cache(res)
+    assert isinstance(cache, KimiHybridCache) and cache.get_seq_length() == 6
+    src = open(os.path.join(ROOT, "app", "cli.py"), encoding="utf-8").read()
+    assert ".past_key_values" not in src
