@@ -110,24 +110,21 @@ _NOT_CONFIG = ("architectures", "auto_map", "transformers_version", "quantizatio
                "pruned_heads", "tf_legacy_loss", "use_bfloat16")
 
 
-def _expert_parallel_plan() -> Dict[str, str]:
-    """The expert-parallel plan in the form the installed transformers applies (``base_model_ep_plan``).
-
-    Newer releases (``transformers.distributed.expert_parallel`` with ``EpDispatchExpertsParallel``, 5.21+) dispatch
-    tokens to whole experts held per rank through the experts module (``ep_dispatch_experts``) and refuse the older
-    router rule; older ones (5.17) mask the router's output to the rank's experts (``ep_router``, which reads the
-    ``(logits, weights, indices)`` that :class:`KimiRouter` returns) and sum the ranks' expert outputs
-    (``moe_tp_experts``). Both shard ``gate_up_proj [E, 2F, D_e]`` and ``down_proj [E, D_e, F]`` on the expert dim
-    (``grouped_gemm``); :class:`KimiExperts` skips the off-rank routes they mark with the id ``num_experts``.
-    """
-    sharded = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm"}
+def _expert_parallel_plan() -> Optional[Dict[str, str]]:
+    """The expert-parallel plan (``base_model_ep_plan``) where the installed transformers ships expert dispatch
+    (``transformers.distributed.expert_parallel.EpDispatchExpertsParallel``; 5.23 and 5.24 have it): whole experts
+    per rank, ``gate_up_proj [E, 2F, D_e]`` and ``down_proj [E, D_e, F]`` sharded on the expert dim
+    (``grouped_gemm``), tokens dispatched through the experts module (``ep_dispatch_experts``); :class:`KimiExperts`
+    skips the off-rank routes marked with the id ``num_experts``. None (no plan declared) on older releases (5.17):
+    their expert-parallel path was not verified with this model."""
     try:
         from transformers.distributed import expert_parallel
     except ImportError:  # transformers 5.17: no expert-dispatch style
-        expert_parallel = None
-    if hasattr(expert_parallel, "EpDispatchExpertsParallel"):
-        return {**sharded, "layers.*.mlp.experts": "ep_dispatch_experts"}
-    return {"layers.*.mlp.gate": "ep_router", **sharded, "layers.*.mlp.experts": "moe_tp_experts"}
+        return None
+    if not hasattr(expert_parallel, "EpDispatchExpertsParallel"):
+        return None
+    return {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm",
+            "layers.*.mlp.experts": "ep_dispatch_experts"}
 
 
 class KimiHybridConfig(PretrainedConfig):
