@@ -31,10 +31,6 @@ from kimi_hybrid.cache_kimi_hybrid import KimiHybridCache, is_kda_layer, layer_t
 __all__ = ["to_static_cache", "prefill_to_static", "GraphDecoder"]
 
 
-def _is_kda(layer) -> bool:
-    return is_kda_layer(layer)
-
-
 def to_static_cache(cache, max_cache_len: int):
     """Copy a filled dynamic cache into a new static cache of ``max_cache_len`` positions (same batch, dtypes and
     device). KDA conv windows and recurrent states are copied; MLA latents and the key mask fill the first
@@ -44,15 +40,15 @@ def to_static_cache(cache, max_cache_len: int):
         raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={max_cache_len}")
     ref = next(t for layer in cache.layers
                for t in layer_tensors(layer).values())
-    conv_dtype = next((l.conv_states[0].dtype for l in cache.layers if _is_kda(l)
+    conv_dtype = next((l.conv_states[0].dtype for l in cache.layers if is_kda_layer(l)
                        and l.conv_states[0] is not None), None)
-    lat_dtype = next((l.latent.dtype for l in cache.layers if not _is_kda(l)
+    lat_dtype = next((l.latent.dtype for l in cache.layers if not is_kda_layer(l)
                       and l.latent is not None), None)
     dtype = conv_dtype or lat_dtype or ref.dtype
     B = cache.batch_size
     st = KimiHybridCache(cache.config, max_cache_len=max_cache_len, batch_size=B, dtype=dtype, device=ref.device)
     for a, b in zip(st.layers, cache.layers):
-        if _is_kda(a):
+        if is_kda_layer(a):
             a.conv_states[0].copy_(b.conv_states[0])
             a.recurrent_states[0].copy_(b.recurrent_states[0])
             a.has_previous_state[0] = b.has_previous_state[0]

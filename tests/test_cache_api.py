@@ -15,7 +15,7 @@ from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache, Dyna
 
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid.cache_kimi_hybrid import (DynamicMLALayer, KimiHybridDynamicCache, KimiHybridStaticCache,
-                                           StaticMLALayer, kda_store, kda_tensors)
+                                           StaticMLALayer, kda_store, layer_tensors)
 
 from presets import preset_config
 from decoding_helpers import _one_thread, gen, logits_nocache, rand_ids  # noqa: F401
@@ -35,11 +35,6 @@ def get_model(preset: str) -> KimiHybridForCausalLM:
 def _dims(cfg):
     H, K = cfg.linear_num_heads, cfg.linear_head_dim
     return H, K, cfg.linear_conv_kernel_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-
-
-def _tensors(layer):
-    """Every tensor a cache layer holds, by name."""
-    return kda_tensors(layer) if isinstance(layer, LinearAttentionLayer) else layer.tensors()
 
 
 def _decode_matches_full(m, cache, ids, split, mask=None):
@@ -133,11 +128,11 @@ def test_layer_batch_operations_equal_recomputation(preset):
     c = KimiHybridCache(m.config)
     with torch.no_grad():
         m(ids, past_key_values=c)
-    before = [{k: v.clone() for k, v in _tensors(layer).items()} for layer in c.layers]
+    before = [{k: v.clone() for k, v in layer_tensors(layer).items()} for layer in c.layers]
     for layer in c.layers:  # layer-level operations, as a transformers container would call them
         layer.reorder_cache(torch.tensor([2, 0, 1]))
     for b, layer in zip(before, c.layers):
-        for k, v in _tensors(layer).items():
+        for k, v in layer_tensors(layer).items():
             assert torch.equal(v, b[k][[2, 0, 1]])
     c.key_mask = c.key_mask[[2, 0, 1]]
     c.last_hidden = c.last_hidden[[2, 0, 1]]
@@ -173,14 +168,14 @@ def test_early_initialization_static_keeps_addresses(preset):
     c.early_initialization(batch_size=2, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
     ptrs = []
     for layer in c.layers:
-        for name, t in _tensors(layer).items():
+        for name, t in layer_tensors(layer).items():
             want = {"conv_state": (2, 3 * H * K, W), "recurrent_state": (2, H, K, K), "latent": (2, 12, Dl)}
             assert tuple(t.shape) == want[name] and not t.any()
             ptrs.append(t.data_ptr())
     assert len(ptrs) == 4 + m.config.layer_types.count("linear_attention") and c.get_seq_length() == 0
     ids = rand_ids(2, 9, seed=44)
     assert _decode_matches_full(m, c, ids, 5) <= ATOL
-    assert [t.data_ptr() for layer in c.layers for t in _tensors(layer).values()] == ptrs
+    assert [t.data_ptr() for layer in c.layers for t in layer_tensors(layer).values()] == ptrs
     with pytest.raises(ValueError, match="holds batch 2 but the input has batch 3"):
         c.early_initialization(batch_size=3, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
 
@@ -207,13 +202,13 @@ def test_offload_prefetch_dynamic_and_refused_static(preset):
     c = KimiHybridCache(m.config)
     with torch.no_grad():
         m(ids[:, :6], past_key_values=c)
-    before = [{k: v.clone() for k, v in _tensors(layer).items()} for layer in c.layers]
+    before = [{k: v.clone() for k, v in layer_tensors(layer).items()} for layer in c.layers]
     for i in range(len(c)):
         c.offload(i)
-        assert all(t.device.type == "cpu" for t in _tensors(c.layers[i]).values())
+        assert all(t.device.type == "cpu" for t in layer_tensors(c.layers[i]).values())
         c.prefetch(i)
     for b, layer in zip(before, c.layers):
-        assert all(torch.equal(v, b[k]) for k, v in _tensors(layer).items())
+        assert all(torch.equal(v, b[k]) for k, v in layer_tensors(layer).items())
     with torch.no_grad():
         got = m(ids[:, 6:], past_key_values=c).logits
     assert (got - logits_nocache(m, ids)[:, 6:]).abs().max().item() <= ATOL
@@ -345,7 +340,7 @@ def test_memory_report_equals_storage_after_long_prefill(preset):
             assert rep["kda_conv_bytes"] == len(kda) * conv_bytes
             assert rep["kda_bytes"] == rep["kda_bytes_constant"]
             storages = {}
-            tensors = [t for layer in c.layers for t in _tensors(layer).values()] + [c.key_mask, c.last_hidden]
+            tensors = [t for layer in c.layers for t in layer_tensors(layer).values()] + [c.key_mask, c.last_hidden]
             for t in tensors:
                 storages[t.untyped_storage().data_ptr()] = _storage(t)
             assert rep["total_bytes"] == sum(storages.values())
@@ -422,10 +417,10 @@ def test_cuda_memory_report_equals_storage_after_long_prefill(preset):
         c = m(rand_ids(1, 1024, seed=61).cuda(), use_cache=True, logits_to_keep=1).past_key_values
         m(rand_ids(1, 1, seed=62).cuda(), past_key_values=c)
     for layer in c.layers:
-        for t in _tensors(layer).values():
+        for t in layer_tensors(layer).values():
             assert t.is_cuda and _storage(t) == t.numel() * t.element_size()
     rep = c.memory_report()
-    tensors = [t for layer in c.layers for t in _tensors(layer).values()] + [c.key_mask, c.last_hidden]
+    tensors = [t for layer in c.layers for t in layer_tensors(layer).values()] + [c.key_mask, c.last_hidden]
     assert rep["total_bytes"] == sum({t.untyped_storage().data_ptr(): _storage(t) for t in tensors}.values())
     assert rep["kda_bytes"] == rep["kda_bytes_constant"] and rep["mla_bytes"] == rep["mla_bytes_per_token"] * 1025
 
