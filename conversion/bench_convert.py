@@ -1,7 +1,7 @@
 """Benchmark: synthesize a multi-GB released-layout Kimi-Linear checkpoint and convert it (released -> ours, then
 optionally ours -> released), reporting throughput and peak memory.
 
-  python -m kimi_hybrid.conversion.bench_convert --size-gb 4 [--shard-gb 1] [--export] [--json conversion/results/x.json]
+  python -m kimi_hybrid.conversion.bench_convert --size-gb 4 [--shard-gb 1] [--export] [--json results/conversion/x.json]
 
 The synthetic model keeps the released structure (KDA / MLA layers, layer-0 dense MLP, 1-based lists, fp32 A_log
 [1,1,H,1] and dt_bias, per-expert w1/w2/w3 in bf16) with hidden 1024, 64 experts of width 512, and as many layers

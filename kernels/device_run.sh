@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU tests + the H200 benchmark in one call on a machine without network, from wheels brought along.
 #
-#   WHEELS=dir/with/*.whl [AUTOTUNE_TGZ=kernels/results/triton_autotune.tgz] [TOTAL_S=545] \
+#   WHEELS=dir/with/*.whl [AUTOTUNE_TGZ=results/h200/triton_autotune.tgz] [TOTAL_S=545] \
 #     bash kernels/device_run.sh tests|bench|lora|all
 #
 # Run from the project root (or a copy holding the package folder, kernels/ and conversion/). Wheels used for the
@@ -27,7 +27,7 @@ export PYTHONPATH=/tmp/kh_site:/tmp/kh_pkg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 # calls on a machine that stayed warm; the autotune tgz warms a fresh one
 CR=${TRITON_CACHE_ROOT:-$PWD/.triton_cache}
 mkdir -p "$CR"
-AUTOTUNE_TGZ=${AUTOTUNE_TGZ:-kernels/results/triton_autotune.tgz}
+AUTOTUNE_TGZ=${AUTOTUNE_TGZ:-results/h200/triton_autotune.tgz}
 [ -f "$AUTOTUNE_TGZ" ] && tar xzf "$AUTOTUNE_TGZ" -C "$CR" && el "restored autotune results from $AUTOTUNE_TGZ"
 export TRITON_CACHE_DIR=$CR/triton TORCHINDUCTOR_CACHE_DIR=$CR/inductor
 save_cache() { (cd "$CR" && find triton -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T -); }
