@@ -10,7 +10,7 @@ Two probes, each printed and saved to JSON with the machine, versions and commit
 * ``decode``: the kernel census of one eager batch-1 decode step of the benchmark slice (torch.profiler: kernel
   count and summed kernel time per step), the graph-replayed step, and the torch.compile-d graph-replayed step.
 
-Usage: ``python kernels/probe_h200.py --out probe.json [--probes attention,decode]``
+Usage: ``python -m kimi_hybrid.kernels.probe_h200 --out probe.json [--probes attention,decode]``
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-
-from kimi_hybrid.kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions  # noqa: E402
-from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
+from kimi_hybrid.kernels.bench_h200 import (GraphDecoder, build_ours_only, graph_decode_time, ours_prefill,
+                                            to_static_cache, versions)
 
 
 def cuda_time(fn, reps):
@@ -88,7 +87,7 @@ def probe_attention(T_list, chunk, prefix, reps):
             torch.cuda.empty_cache()
         out[name] = res
         print(name, json.dumps(res), flush=True)
-        del q, k, v, vp
+        q = k = v = vp = None  # free this case's tensors before the next is allocated
         torch.cuda.empty_cache()
     return out
 

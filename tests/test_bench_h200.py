@@ -1,13 +1,18 @@
 """The H200 benchmark's own machinery on CPU (``kimi_hybrid.kernels.bench_h200``), on its tiny rehearsal config: the
 pieces that broke on the GPU or in the rehearsal (tiny config, decoder layers called with their signature, the best
-decode time among timed variants only), the compiled-vs-eager decode check and the batch-composition helper."""
+decode time among timed variants only), the compiled-vs-eager decode check, the batch-composition helper, the
+section registry and its budget, the ``generate`` section and the record's summary."""
+
+import json
+import time
 
 import pytest
 import torch
 
 from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid.kernels import bench_h200 as bench
-from kimi_hybrid.kernels.cuda_graph import to_static_cache
+
+to_static_cache = bench.to_static_cache
 
 
 def test_tiny_rehearsal_config_builds_without_the_test_presets():
@@ -82,3 +87,88 @@ def test_layers_take_the_current_call_signature(layer_kind):
     with torch.no_grad():
         got = m.model.layers[layer_kind](a[0], attention_mask=None, past_key_values=None)[0]
     assert torch.equal(got, o)
+
+
+GENERATE_FIELDS = ("generate_b1_4k_ms", "generate_b1_128k_ms", "generate_b32_4k_ms", "generate_sample_b1_4k_ms",
+                   "generate_beam4_4k_ms", "generate_eager_b1_4k_ms", "generate_first_call_overhead_s",
+                   "native_generate_b1_4k_ms")
+
+
+@pytest.fixture(scope="module")
+def tiny_record(tmp_path_factory):
+    """One --tiny rehearsal of the sections that run on CPU (setup, decode, generate, perlayer, census, parity)."""
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    R = bench.main(["--tiny", "--out", str(out), "--sections", "setup,decode,generate,perlayer,census,parity"])
+    return R, json.loads(out.read_text())
+
+
+def test_registry_lists_every_section_in_run_order():
+    assert list(bench.SECTIONS) == ["setup", "mlaprobe", "cold", "prefill", "long", "decode", "generate", "decode2",
+                                    "perlayer", "census", "parity", "fp32"]
+    assert bench.SECTIONS["census"].needs == ("cuda",) and bench.SECTIONS["parity"].needs == ("native",)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "setup,nosuch"])
+
+
+def test_tiny_rehearsal_writes_the_generate_summary(tiny_record):
+    R, on_disk = tiny_record
+    s = on_disk["summary"]
+    assert on_disk["errors"] == [] and s["errors"] == 0
+    for f in GENERATE_FIELDS:
+        assert isinstance(s[f], float), f
+    assert s["generate_b1_4k_ms"] > 0 and s["native_generate_b1_4k_ms"] > 0 and s["decode_b1_4k_ms"] > 0
+    for case in on_disk["ours"]["generate"].values():  # per token = (t(n+1) - t(1)) / n
+        assert case["ms_per_token"] == pytest.approx((case["n_plus_1_s"] - case["one_s"]) / case["new_tokens"] * 1e3,
+                                                     abs=2e-3)
+    assert on_disk["ours"]["generate"]["B1_T64"]["new_tokens"] == 4
+    cmp = on_disk["generate_comparison"]["B1_T64"]
+    assert cmp["graph_step_from"] == "decode section" and cmp["graph_step_ms"] == s["decode_b1_4k_ms"]
+    assert s["generate_eager_mode"] in ("cuda_graphs=False", ) or s["generate_eager_mode"].startswith("plain call")
+
+
+def test_tiny_rehearsal_records_why_a_section_did_not_run(tiny_record):
+    _, on_disk = tiny_record
+    if not torch.cuda.is_available():
+        assert on_disk["skipped"]["census"] == "needs cuda"
+    assert "prefill" not in on_disk["section_s"]  # not chosen: neither run nor listed as skipped
+    assert "prefill" not in on_disk["skipped"]
+    assert on_disk["summary"]["layers"] == 4 and on_disk["setup"]["plan"]["mla_at_0based"] == [3]
+
+
+def test_tiny_rehearsal_per_layer_table_and_merge(tiny_record, tmp_path):
+    _, on_disk = tiny_record
+    per = on_disk["ours"]["prefill_per_layer"]
+    assert per["T"] == 512
+    other = {**on_disk, "ours": {"generate": {"B1_T64_beam4": None, "B4_T64": {"ms_per_token": 1.5}}}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(on_disk))
+    b.write_text(json.dumps(other))
+    M = bench.merge_results([str(a), str(b)], str(tmp_path / "m.json"))
+    assert M["summary"]["generate_b32_4k_ms"] == on_disk["summary"]["generate_b32_4k_ms"]  # the first file wins
+    assert M["summary"]["generate_beam4_4k_ms"] == on_disk["summary"]["generate_beam4_4k_ms"]
+
+
+def test_layer_work_table_has_one_row_per_layer():
+    cfg = bench.our_config(4, tiny=True)
+    per = {"layer0:linear_attention+dense": 0.002, "layer1:linear_attention+moe": 0.003,
+           "layer3:full_attention+moe": 0.004}
+    t = bench.layer_work_table(cfg, 512, per, rate=1e12)
+    assert [r["layer"] for r in t["per_layer_vs_work"]] == list(per)
+    work = bench.layer_work(cfg, 512)
+    row = t["per_layer_vs_work"][2]
+    assert row["work_ms"] == round(work["mla_moe_flop"] / 1e12 * 1e3, 2)
+    assert t["table"]["KDA+MoE"]["measured_ms_median"] == 3.0
+
+
+def test_generate_section_skips_what_the_budget_does_not_hold(tmp_path, monkeypatch):
+    """With 18 s left only the cases estimated at <= 18 s run; each other one is recorded as skipped, with why."""
+    args = bench.parse_args(["--tiny", "--out", str(tmp_path / "g.json"), "--sections", "generate"])
+    b = bench.Bench(args, 4, time.perf_counter())
+    monkeypatch.setattr(b, "left", lambda: 18.0)
+    bench.generate_section(b)
+    ran = set(b.R["ours"]["generate"]) | {f"native {k}" for k in b.R["native"]["generate"]}
+    assert ran == {"B1_T64_eager", "B1_T64_sample", "native B1_T64"}
+    assert b.R["skipped"]["generate ours B1_T64"] == "18 s left < 25 s estimated"
+    assert set(b.R["skipped"]) == {"generate ours B1_T64", "generate ours B1_T64_beam4", "generate ours B4_T64",
+                                   "generate ours B1_T256"}
+    assert b.R["errors"] == [] and b.R["summary"]["generate_b1_4k_ms"] is None
