@@ -1,7 +1,8 @@
 """Benchmark: synthesize a multi-GB released-layout Kimi-Linear checkpoint and convert it (released -> ours, then
 optionally ours -> released), reporting throughput and peak memory.
 
-  python -m kimi_hybrid.conversion.bench_convert --size-gb 4 [--shard-gb 1] [--export] [--json results/conversion/x.json]
+  python -m kimi_hybrid.conversion.bench_convert --size-gb 4 [--shard-gb 1] [--export] \
+      [--json results/conversion/x.json]
 
 The synthetic model keeps the released structure (KDA / MLA layers, layer-0 dense MLP, 1-based lists, fp32 A_log
 [1,1,H,1] and dt_bias, per-expert w1/w2/w3 in bf16) with hidden 1024, 64 experts of width 512, and as many layers
@@ -53,9 +54,7 @@ def synthesize(folder: str, size_gb: float, shard_gb: float) -> dict:
     """Write a released-layout checkpoint of about `size_gb` GB, shard by shard (bounded memory)."""
     from safetensors.torch import save_file
 
-    from kimi_hybrid.conversion.config_io import released_config_to_ours
     from kimi_hybrid.conversion.inventory import inventory
-    from kimi_hybrid.conversion.layouts import plan_to_ours
 
     per_layer = 64 * 3 * 1024 * 512 * 2
     n_layers = max(2, round(size_gb * 1e9 / per_layer))
@@ -97,8 +96,8 @@ def synthesize(folder: str, size_gb: float, shard_gb: float) -> dict:
         json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    split = sum(1 for i in range(n_layers) if len({wm[k] for k in wm if k.startswith(f"model.layers.{i}.block_sparse_moe.experts.")}) > 1)
-    released_config_to_ours(cfg), plan_to_ours  # noqa: B018  (imports checked)
+    split = sum(1 for i in range(n_layers)
+                if len({wm[k] for k in wm if k.startswith(f"model.layers.{i}.block_sparse_moe.experts.")}) > 1)
     return {"layers": n_layers, "tensors": len(wm), "bytes": total, "shards": n, "layers_with_experts_split": split}
 
 

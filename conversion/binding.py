@@ -12,7 +12,7 @@ import torch
 
 from .layouts import Plan, PlanError
 from .mxfp4 import dequantize_mxfp4
-from .safetensors_io import DTYPES, itemsize, numel
+from .safetensors_io import DTYPES, numel
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 

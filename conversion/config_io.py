@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 
-from kimi_hybrid.configuration_kimi_hybrid import RELEASED_AUTO_MAP, RELEASED_KEYS  # noqa: F401 (re-exported)
+from kimi_hybrid import configuration_kimi_hybrid
+
+RELEASED_KEYS = configuration_kimi_hybrid.RELEASED_KEYS  # the keys of a released config.json, in their order
 
 
 class ConfigError(ValueError):

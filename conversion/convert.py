@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from . import config_io
-from .binding import Bound, CheckpointError, bind, check_coverage, piece_values
+from .binding import Bound, bind, check_coverage, piece_values
 from .layouts import Plan, detect_variant, plan_for
 from .safetensors_io import (
     FileHeader,
@@ -60,7 +60,6 @@ TOKENIZER_FILES = (
     "tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "generation_config.json", "tokenization_kimi.py", "tokenizer.json",
 )
-DEFAULT_MAX_SHARD = 5 * 10**9
 DEFAULT_CHUNK = 64 << 20
 
 
@@ -333,13 +332,6 @@ def plan_output_shards(bound: Bound, order_key, max_shard: int, prefix: str = "m
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def write_our_config(tmp: str, ours: dict, with_bundle: bool) -> list[str]:
-    """Write config.json (+ the bundle .py files and auto_map when the bundle is available). Returns files written."""
-    from .model_glue import write_model_config
-
-    return write_model_config(tmp, ours, with_bundle)
-
-
 OUR_TOKENIZER_CODE = "tokenization_kimi_hybrid.py"
 
 
@@ -424,30 +416,25 @@ def _export_dtype_overrides(src: SourceCheckpoint, plan: Plan) -> tuple[dict[str
     return over, rep.get("source", {}).get("config")
 
 
-def convert_checkpoint(
-    src_dir: str,
-    out_dir: str,
-    *,
-    src_format: str = "auto",
-    dst_format: str | None = None,
-    overwrite: bool = False,
-    max_shard_size="5GB",
-    checksum: str = "sha256",
-    dequant_dtype: str = "BF16",
-    chunk_bytes: int = DEFAULT_CHUNK,
-    progress: bool = True,
-    with_bundle: bool = True,
-    verify: bool = True,
-) -> dict:
-    """Convert the checkpoint folder `src_dir` into `out_dir`; returns the verification report (also written as
-    `out_dir/conversion_report.json`). Raises ConversionError / CheckpointError and leaves no `out_dir` on failure.
-    """
-    t0 = time.perf_counter()
-    src_dir = os.path.abspath(src_dir)
-    check_folders(src_dir, out_dir)
-    if chunk_bytes <= 0:
-        raise ConversionError(f"the streaming chunk must be positive (got {chunk_bytes} bytes; --chunk-mb >= 1)")
-    max_shard_bytes = parse_size(max_shard_size)
+@dataclass
+class ConversionJob:
+    """What the plan step decides before any byte is written: the source, its format and key variant, our config,
+    the tensor plan bound to the source's tensors, and (for an export) the released dtypes and config to restore."""
+
+    src: SourceCheckpoint
+    fmt: str
+    dst_format: str
+    variant: str
+    ours_cfg: dict
+    plan: Plan
+    bound: Bound
+    canon: dict[str, str]  # source name as stored -> the plan's name
+    template: dict | None
+
+
+def plan_conversion(src_dir: str, src_format: str, dst_format: str | None, dequant_dtype: str) -> ConversionJob:
+    """Step 1, plan: read config.json and every shard header, choose the formats, validate our config with the
+    model, and bind the tensor plan to the source (unknown, missing, mis-shaped tensors are refused here)."""
     src = open_checkpoint(src_dir)
     fmt = config_io.detect_format(src.config) if src_format == "auto" else src_format
     if dst_format is None:
@@ -481,223 +468,316 @@ def convert_checkpoint(
             by[n.split(".", 1)[0]] = by.get(n.split(".", 1)[0], 0) + 1
         log(f"skipping {len(bound.skipped)} tensors that are not part of the text backbone: "
             + ", ".join(f"{k} ({v})" for k, v in sorted(by.items())))
-    canon = bound.canonical_of()
+    return ConversionJob(src, fmt, dst_format, variant, ours_cfg, plan, bound, bound.canonical_of(), template)
 
-    # position of each source in read order -> completion order of destinations
+
+def plan_output_layout(job: ConversionJob, max_shard_bytes: int) -> dict[str, list[str]]:
+    """Step 2, output layout: destination tensors ordered by the read position of their last source (an output shard
+    fills while its source shards are read), grouped into files of at most ``max_shard_bytes``."""
+    src, bound = job.src, job.bound
     shard_pos = {s: i for i, s in enumerate(src.shards)}
 
     def src_pos(ckey):
         s, info = src.where[bound.actual[ckey]]
         return (shard_pos[s], info.begin)
 
-    last_src = {k: max(src_pos(s) for pc in d.pieces for s in pc.srcs) for k, d in plan.dests.items()}
-    layout = plan_output_shards(bound, lambda k: (last_src[k], k), max_shard_bytes)
-    dst_file = {k: f for f, ks in layout.items() for k in ks}
+    last_src = {k: max(src_pos(s) for pc in d.pieces for s in pc.srcs) for k, d in job.plan.dests.items()}
+    return plan_output_shards(bound, lambda k: (last_src[k], k), max_shard_bytes)
 
-    # which (destination, piece) each source feeds
+
+def source_uses(plan: Plan) -> dict[str, list]:
+    """Which (destination, piece) pairs each planned source feeds."""
     uses: dict[str, list] = {k: [] for k in plan.sources}
     for dk, d in plan.dests.items():
         for pc in d.pieces:
             for s in pc.srcs:
                 uses[s].append((dk, pc))
+    return uses
 
-    src_hash: dict[str, str | None] = {}
-    nonfinite: dict[str, int] = {}  # source tensor -> NaN / inf count (copied as they are, but reported)
-    peak_buffer = 0
-    read_bytes_total = 0
+
+class TensorMapper:
+    """Step 3, read and map: every source tensor read once, in file order, hashed (and scanned for NaN / inf) as it
+    passes, its pieces written into the preallocated output shards. Byte-copy pieces stream through two scratch
+    buffers of ``chunk_bytes`` (chunk i hashed on the worker thread while chunk i + 1 is read); pieces that need math
+    (MXFP4, a padded A_log, a cast) load their sources whole until the last one of the piece has arrived.
+
+    After :meth:`run`: ``src_hash`` (plan name -> digest), ``nonfinite`` (source name -> count), ``peak_buffer``
+    and ``bytes_read``; ``scratch`` / ``pending`` are reused by the verification."""
+
+    def __init__(self, job: ConversionJob, writers: dict, dst_file: dict, pool, chunk_bytes: int, checksum: str):
+        self.job, self.writers, self.dst_file, self.pool = job, writers, dst_file, pool
+        self.chunk_bytes, self.checksum = chunk_bytes, checksum
+        self.uses = source_uses(job.plan)
+        self.scratch = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
+        self.pending = [None, None]
+        self.slot = 0
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.loaded_bytes = 0
+        self.remaining = {k: len(v) for k, v in self.uses.items()}
+        self.done_pieces: set[int] = set()
+        self.src_hash: dict[str, str | None] = {}
+        self.nonfinite: dict[str, int] = {}
+        self.peak_buffer = 0
+        self.bytes_read = 0
+
+    def run(self, progress: bool) -> None:
+        job = self.job
+        total = sum(i.nbytes for n, (_, i) in job.src.where.items() if n in job.canon)
+        bar = _progress(total, progress, f"{job.fmt} -> {job.dst_format}")
+        for s in job.src.shards:
+            h = job.src.headers[s]
+            with open(h.path, "rb", buffering=0) as fh:
+                for info in sorted(h.tensors.values(), key=lambda t: t.begin):
+                    if info.name not in job.canon:
+                        continue  # skipped (vision tower): not read
+                    ckey = job.canon[info.name]
+                    if all(pc.op == "copy" and job.bound.dst_dtype[dk] == info.dtype for dk, pc in self.uses[ckey]):
+                        self.stream(fh, info, ckey)
+                    else:
+                        self.load_and_apply(fh, info, ckey)
+                    if bar:
+                        bar.update(info.nbytes)
+                    self.bytes_read += info.nbytes
+        if bar:
+            bar.close()
+        if self.loaded:
+            raise ConversionError(f"internal: sources still buffered at the end: {sorted(self.loaded)}")
+
+    def wait(self) -> None:
+        for p in self.pending:
+            if p is not None:
+                p.result()
+        self.pending = [None, None]
+
+    def stream(self, fh, info: TensorInfo, ckey: str) -> None:
+        """Byte-copy pieces: chunks of the source written straight into their destinations' element ranges."""
+        hasher, cbytes, isz = new_hasher(self.checksum), self.chunk_bytes, itemsize(info.dtype)
+        for cb in range(0, info.nbytes, cbytes):
+            ce = min(info.nbytes, cb + cbytes)
+            if self.pending[self.slot] is not None:
+                self.pending[self.slot].result()
+            buf = read_bytes(fh, info.begin + cb, ce - cb, self.scratch[self.slot])
+            self.pending[self.slot] = self.pool.submit(_hash_and_scan, hasher, buf, info.dtype, self.nonfinite,
+                                                       info.name)
+            self.slot ^= 1
+            for dk, pc in self.uses[ckey]:
+                pb, pe = pc.src_el * isz, (pc.src_el + pc.numel) * isz
+                lo, hi = max(pb, cb), min(pe, ce)
+                if lo < hi:
+                    self.writers[self.dst_file[dk]].write(dk, pc.dst_el * isz + (lo - pb), buf[lo - cb: hi - cb])
+        self.wait()
+        self.peak_buffer = max(self.peak_buffer, 2 * min(cbytes, info.nbytes) + self.loaded_bytes)
+        self.src_hash[ckey] = hasher.hexdigest()
+
+    def load_and_apply(self, fh, info: TensorInfo, ckey: str) -> None:
+        """Math pieces: the source loaded whole; each piece whose sources are all loaded is computed and written,
+        and a source is released once its last piece is written."""
+        hasher = new_hasher(self.checksum)
+        raw = read_bytes(fh, info.begin, info.nbytes)
+        _hash_and_scan(hasher, raw, info.dtype, self.nonfinite, info.name)
+        self.src_hash[ckey] = hasher.hexdigest()
+        self.loaded[ckey] = bytes_to_tensor(raw, info.dtype, info.shape)
+        self.loaded_bytes += info.nbytes
+        self.peak_buffer = max(self.peak_buffer, self.loaded_bytes)
+        dst_dtype = self.job.bound.dst_dtype
+        for dk, pc in self.uses[ckey]:
+            if id(pc) in self.done_pieces or not all(x in self.loaded for x in pc.srcs):
+                continue
+            vals = piece_values(pc.op, [self.loaded[x] for x in pc.srcs], pc, dst_dtype[dk])
+            self.writers[self.dst_file[dk]].write(dk, pc.dst_el * itemsize(dst_dtype[dk]), tensor_bytes(vals))
+            self.done_pieces.add(id(pc))
+            for x in pc.srcs:
+                self.remaining[x] -= 1
+                if self.remaining[x] == 0 and x in self.loaded:
+                    self.loaded_bytes -= self.loaded[x].numel() * self.loaded[x].element_size()
+                    del self.loaded[x]
+
+
+def verify_outputs(job: ConversionJob, tmp: str, layout: dict, writers: dict, mapper: TensorMapper,
+                   verify: bool) -> dict[str, dict]:
+    """Step 4, verify: every destination byte written once, each output header re-read against the plan, each
+    destination tensor hashed from disk (unless ``verify`` is off). Returns the destinations' report entries;
+    raises ConversionError listing every problem."""
+    plan, dst_dtype, checksum = job.plan, job.bound.dst_dtype, mapper.checksum
+    problems, dst_report = [], {}
+    for f, ks in layout.items():
+        w = writers[f]
+        for k in ks:
+            want = numel(plan.dests[k].shape) * itemsize(dst_dtype[k])
+            if w.written[k] != want:
+                problems.append(f"{k}: wrote {w.written[k]} of {want} bytes")
+        hdr = read_header(os.path.join(tmp, f))
+        if sorted(hdr.tensors) != sorted(ks):
+            problems.append(f"{f}: header tensor set differs from the plan")
+        with open(hdr.path, "rb", buffering=0) as fh:
+            for k in ks:
+                info = hdr.tensors[k]
+                if info.dtype != dst_dtype[k] or info.shape != plan.dests[k].shape:
+                    problems.append(f"{k}: written {info.dtype} {list(info.shape)}, planned "
+                                    f"{dst_dtype[k]} {list(plan.dests[k].shape)}")
+                hasher = new_hasher(checksum if verify else "none")
+                if verify and checksum != "none":
+                    hash_from_disk(fh, info, hasher, mapper)
+                dst_report[k] = {
+                    "file": f, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes,
+                    checksum: hasher.hexdigest(), "provenance": provenance(job, k)}
+    if problems:
+        raise ConversionError("verification failed:\n  " + "\n  ".join(problems))
+    return dst_report
+
+
+def hash_from_disk(fh, info: TensorInfo, hasher, mapper: TensorMapper) -> None:
+    """Hash one written tensor back from disk through the mapper's two scratch buffers (reads overlap hashing)."""
+    cbytes = mapper.chunk_bytes
+    for j, cb in enumerate(range(0, info.nbytes, cbytes)):
+        if mapper.pending[j % 2] is not None:
+            mapper.pending[j % 2].result()
+        ce = min(info.nbytes, cb + cbytes)
+        mapper.pending[j % 2] = mapper.pool.submit(hasher.update,
+                                                   read_bytes(fh, info.begin + cb, ce - cb, mapper.scratch[j % 2]))
+    mapper.wait()
+
+
+def provenance(job: ConversionJob, key: str) -> list[dict]:
+    """Where each piece of destination ``key`` came from (op, source names as stored, element ranges)."""
+    return [{"op": pc.op, "src": [job.bound.actual[x] for x in pc.srcs],
+             "src_elements": [pc.src_el, pc.src_el + pc.numel] if pc.op != "mxfp4" else None,
+             "dst_elements": [pc.dst_el, pc.dst_el + pc.numel]}
+            for pc in job.plan.dests[key].pieces]
+
+
+def source_report(job: ConversionJob, src_hash: dict, checksum: str) -> dict[str, dict]:
+    """Step 5, account for every source tensor: used (its digest and destinations) or skipped (and why). Raises
+    ConversionError for a used source that fed no destination."""
+    used_by: dict[str, list[str]] = {}
+    for dk, d in job.plan.dests.items():
+        for pc in d.pieces:
+            for x in pc.srcs:
+                lst = used_by.setdefault(x, [])
+                if not lst or lst[-1] != dk:
+                    lst.append(dk)
+    report: dict[str, dict] = {}
+    for name, (s, info) in sorted(job.src.where.items()):
+        entry = {"file": s, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes}
+        if name in job.canon:
+            entry[checksum] = src_hash.get(job.canon[name])
+            entry["status"] = "used"
+            entry["destinations"] = used_by.get(job.canon[name], [])
+        else:
+            entry["status"] = "skipped: " + job.bound.skipped[name]
+        report[name] = entry
+    unaccounted = [n for n, e in report.items() if e["status"] == "used" and not e["destinations"]]
+    if unaccounted:
+        raise ConversionError(f"internal: source tensors with no destination: {unaccounted}")
+    return report
+
+
+def write_metadata(job: ConversionJob, tmp: str, src_dir: str, dst_report: dict, with_bundle: bool) -> list[str]:
+    """Step 6, write: the safetensors index, config.json (ours with the bundle, or the released one) and the
+    tokenizer / generation side files. Returns the names of the files written besides the shards."""
+    config_io.write_json(os.path.join(tmp, INDEX_NAME), {
+        "metadata": {"total_size": sum(e["nbytes"] for e in dst_report.values())},
+        "weight_map": {k: dst_report[k]["file"] for k in sorted(dst_report)},
+    })
+    if job.dst_format == "ours":
+        from .model_glue import write_model_config
+
+        extra = write_model_config(tmp, job.ours_cfg, with_bundle)
+    else:
+        config_io.write_json(os.path.join(tmp, "config.json"), config_io.ours_config_to_released(job.ours_cfg,
+                                                                                                 job.template))
+        extra = ["config.json"]
+    return extra + copy_side_files(src_dir, tmp)
+
+
+def build_report(job: ConversionJob, layout: dict, mapper: TensorMapper, src_report: dict, dst_report: dict,
+                 files: list[str], dequant_dtype: str, elapsed: float) -> dict:
+    """Step 7, report: what was converted, the checks that passed, digests and provenance of every tensor."""
+    src, plan = job.src, job.plan
+    return {
+        "tool": "kimi-hybrid-convert",
+        "source": {"folder": src.folder, "format": job.fmt, "variant": job.variant, "config": src.config,
+                   "tensors": len(src.where), "bytes": src.total_bytes, "shards": src.shards},
+        "destination": {"format": job.dst_format, "tensors": len(dst_report),
+                        "bytes": sum(e["nbytes"] for e in dst_report.values()), "shards": list(layout)},
+        "checksum": mapper.checksum,
+        "checks": {
+            "every_source_accounted": True,
+            "used_sources": sum(1 for e in src_report.values() if e["status"] == "used"),
+            "skipped_sources": len(job.bound.skipped),
+            "every_destination_byte_written_once": True,
+            "output_headers_match_plan": True,
+        },
+        "nonfinite_values": dict(sorted(mapper.nonfinite.items())),
+        "dequant_dtype": dequant_dtype if any(d.dtype_rule == "dequant" for d in plan.dests.values()) else None,
+        "files_written": sorted(files),
+        "peak_buffer_bytes": mapper.peak_buffer,
+        "bytes_read": mapper.bytes_read,
+        "elapsed_s": round(elapsed, 3),
+        "sources": src_report,
+        "destinations": dst_report,
+    }
+
+
+def convert_checkpoint(
+    src_dir: str,
+    out_dir: str,
+    *,
+    src_format: str = "auto",
+    dst_format: str | None = None,
+    overwrite: bool = False,
+    max_shard_size="5GB",
+    checksum: str = "sha256",
+    dequant_dtype: str = "BF16",
+    chunk_bytes: int = DEFAULT_CHUNK,
+    progress: bool = True,
+    with_bundle: bool = True,
+    verify: bool = True,
+) -> dict:
+    """Convert the checkpoint folder `src_dir` into `out_dir`; returns the verification report (also written as
+    `out_dir/conversion_report.json`). Raises ConversionError / CheckpointError and leaves no `out_dir` on failure.
+    """
+    t0 = time.perf_counter()
+    src_dir = os.path.abspath(src_dir)
+    check_folders(src_dir, out_dir)
+    if chunk_bytes <= 0:
+        raise ConversionError(f"the streaming chunk must be positive (got {chunk_bytes} bytes; --chunk-mb >= 1)")
+    max_shard_bytes = parse_size(max_shard_size)
+    job = plan_conversion(src_dir, src_format, dst_format, dequant_dtype)
+    layout = plan_output_layout(job, max_shard_bytes)
+    dst_file = {k: f for f, ks in layout.items() for k in ks}
     with atomic_output(out_dir, overwrite) as tmp, ThreadPoolExecutor(max_workers=1) as pool:
         writers: dict[str, PreallocatedShard] = {}
         try:
             for f, ks in layout.items():
                 writers[f] = PreallocatedShard(
                     os.path.join(tmp, f),
-                    [PlannedTensor(k, bound.dst_dtype[k], plan.dests[k].shape) for k in ks],
+                    [PlannedTensor(k, job.bound.dst_dtype[k], job.plan.dests[k].shape) for k in ks],
                     {"format": "pt"},
                 )
-            # two scratch buffers: chunk i is hashed on a worker thread (hashlib releases the GIL) while the main
-            # thread pwrite()s it and reads chunk i+1 into the other buffer; a buffer is reused only after its hash
-            # finished. Hash updates of one tensor run in order (single worker).
-            scratch = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
-            pending = [None, None]
-            slot = 0
-            loaded: dict[str, torch.Tensor] = {}
-            loaded_bytes = 0
-            remaining = {k: len(v) for k, v in uses.items()}
-            done_pieces: set[int] = set()
-            total = sum(i.nbytes for n, (_, i) in src.where.items() if n in canon)
-            bar = _progress(total, progress, f"{fmt} -> {dst_format}")
-            for s in src.shards:
-                h = src.headers[s]
-                with open(h.path, "rb", buffering=0) as fh:
-                    for info in sorted(h.tensors.values(), key=lambda t: t.begin):
-                        if info.name not in canon:
-                            continue  # skipped (vision tower): not read
-                        ckey = canon[info.name]
-                        hasher = new_hasher(checksum)
-                        my_uses = uses[ckey]
-                        streamable = all(pc.op == "copy" and bound.dst_dtype[dk] == info.dtype for dk, pc in my_uses)
-                        isz = itemsize(info.dtype)
-                        if streamable:
-                            for cb in range(0, info.nbytes, chunk_bytes):
-                                ce = min(info.nbytes, cb + chunk_bytes)
-                                if pending[slot] is not None:
-                                    pending[slot].result()
-                                buf = read_bytes(fh, info.begin + cb, ce - cb, scratch[slot])
-                                pending[slot] = pool.submit(_hash_and_scan, hasher, buf, info.dtype, nonfinite,
-                                                            info.name)
-                                slot ^= 1
-                                for dk, pc in my_uses:
-                                    pb, pe = pc.src_el * isz, (pc.src_el + pc.numel) * isz
-                                    lo, hi = max(pb, cb), min(pe, ce)
-                                    if lo < hi:
-                                        writers[dst_file[dk]].write(dk, pc.dst_el * isz + (lo - pb), buf[lo - cb: hi - cb])
-                            for p in pending:
-                                if p is not None:
-                                    p.result()
-                            pending = [None, None]
-                            peak_buffer = max(peak_buffer, 2 * min(chunk_bytes, info.nbytes) + loaded_bytes)
-                            if bar:
-                                bar.update(info.nbytes)
-                            read_bytes_total += info.nbytes
-                            src_hash[ckey] = hasher.hexdigest()
-                            continue
-                        raw = read_bytes(fh, info.begin, info.nbytes)
-                        _hash_and_scan(hasher, raw, info.dtype, nonfinite, info.name)
-                        src_hash[ckey] = hasher.hexdigest()
-                        loaded[ckey] = bytes_to_tensor(raw, info.dtype, info.shape)
-                        loaded_bytes += info.nbytes
-                        peak_buffer = max(peak_buffer, loaded_bytes)
-                        for dk, pc in my_uses:
-                            if id(pc) in done_pieces or not all(x in loaded for x in pc.srcs):
-                                continue
-                            vals = piece_values(pc.op, [loaded[x] for x in pc.srcs], pc, bound.dst_dtype[dk])
-                            osz = itemsize(bound.dst_dtype[dk])
-                            writers[dst_file[dk]].write(dk, pc.dst_el * osz, tensor_bytes(vals))
-                            done_pieces.add(id(pc))
-                            for x in pc.srcs:
-                                remaining[x] -= 1
-                                if remaining[x] == 0 and x in loaded:
-                                    loaded_bytes -= loaded[x].numel() * loaded[x].element_size()
-                                    del loaded[x]
-                        if bar:
-                            bar.update(info.nbytes)
-                        read_bytes_total += info.nbytes
-            if bar:
-                bar.close()
-            if loaded:
-                raise ConversionError(f"internal: sources still buffered at the end: {sorted(loaded)}")
+            mapper = TensorMapper(job, writers, dst_file, pool, chunk_bytes, checksum)
+            mapper.run(progress)
         finally:
             for w in writers.values():
                 w.close()
-
-        # ---- verification ------------------------------------------------------------------------------
-        problems = []
-        dst_report: dict[str, dict] = {}
-        for f, ks in layout.items():
-            w = writers[f]
-            for k in ks:
-                want = numel(plan.dests[k].shape) * itemsize(bound.dst_dtype[k])
-                if w.written[k] != want:
-                    problems.append(f"{k}: wrote {w.written[k]} of {want} bytes")
-            hdr = read_header(os.path.join(tmp, f))
-            if sorted(hdr.tensors) != sorted(ks):
-                problems.append(f"{f}: header tensor set differs from the plan")
-            with open(hdr.path, "rb", buffering=0) as fh:
-                for k in ks:
-                    info = hdr.tensors[k]
-                    if info.dtype != bound.dst_dtype[k] or info.shape != plan.dests[k].shape:
-                        problems.append(f"{k}: written {info.dtype} {list(info.shape)}, planned "
-                                        f"{bound.dst_dtype[k]} {list(plan.dests[k].shape)}")
-                    hasher = new_hasher(checksum if verify else "none")
-                    if verify and checksum != "none":
-                        for j, cb in enumerate(range(0, info.nbytes, chunk_bytes)):
-                            if pending[j % 2] is not None:
-                                pending[j % 2].result()
-                            ce = min(info.nbytes, cb + chunk_bytes)
-                            pending[j % 2] = pool.submit(hasher.update,
-                                                         read_bytes(fh, info.begin + cb, ce - cb, scratch[j % 2]))
-                        for p in pending:
-                            if p is not None:
-                                p.result()
-                        pending = [None, None]
-                    dst_report[k] = {
-                        "file": f, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes,
-                        checksum: hasher.hexdigest(),
-                        "provenance": [
-                            {"op": pc.op, "src": [bound.actual[x] for x in pc.srcs],
-                             "src_elements": [pc.src_el, pc.src_el + pc.numel] if pc.op != "mxfp4" else None,
-                             "dst_elements": [pc.dst_el, pc.dst_el + pc.numel]}
-                            for pc in plan.dests[k].pieces
-                        ],
-                    }
-        if problems:
-            raise ConversionError("verification failed:\n  " + "\n  ".join(problems))
-
-        src_report: dict[str, dict] = {}
-        used_by: dict[str, list[str]] = {}
-        for dk, d in plan.dests.items():
-            for pc in d.pieces:
-                for x in pc.srcs:
-                    lst = used_by.setdefault(x, [])
-                    if not lst or lst[-1] != dk:
-                        lst.append(dk)
-        for name, (s, info) in sorted(src.where.items()):
-            entry = {"file": s, "dtype": info.dtype, "shape": list(info.shape), "nbytes": info.nbytes}
-            if name in canon:
-                entry[checksum] = src_hash.get(canon[name])
-                entry["status"] = "used"
-                entry["destinations"] = used_by.get(canon[name], [])
-            else:
-                entry["status"] = "skipped: " + bound.skipped[name]
-            src_report[name] = entry
-        unaccounted = [n for n, e in src_report.items() if e["status"] == "used" and not e["destinations"]]
-        if unaccounted:
-            raise ConversionError(f"internal: source tensors with no destination: {unaccounted}")
-
-        # ---- config, index, side files -------------------------------------------------------------------
-        total_size = sum(e["nbytes"] for e in dst_report.values())
-        config_io.write_json(os.path.join(tmp, INDEX_NAME), {
-            "metadata": {"total_size": total_size},
-            "weight_map": {k: dst_report[k]["file"] for k in sorted(dst_report)},
-        })
-        if dst_format == "ours":
-            extra = write_our_config(tmp, ours_cfg, with_bundle)
-        else:
-            rel = config_io.ours_config_to_released(ours_cfg, template)
-            config_io.write_json(os.path.join(tmp, "config.json"), rel)
-            extra = ["config.json"]
-        side = copy_side_files(src_dir, tmp)
+        dst_report = verify_outputs(job, tmp, layout, writers, mapper, verify)
+        src_report = source_report(job, mapper.src_hash, checksum)
+        files = write_metadata(job, tmp, src_dir, dst_report, with_bundle)
         elapsed = time.perf_counter() - t0
-        report = {
-            "tool": "kimi-hybrid-convert",
-            "source": {"folder": src_dir, "format": fmt, "variant": variant, "config": src.config,
-                       "tensors": len(src.where), "bytes": src.total_bytes, "shards": src.shards},
-            "destination": {"format": dst_format, "tensors": len(dst_report), "bytes": total_size,
-                            "shards": list(layout)},
-            "checksum": checksum,
-            "checks": {
-                "every_source_accounted": True,
-                "used_sources": sum(1 for e in src_report.values() if e["status"] == "used"),
-                "skipped_sources": len(bound.skipped),
-                "every_destination_byte_written_once": True,
-                "output_headers_match_plan": True,
-            },
-            "nonfinite_values": dict(sorted(nonfinite.items())),
-            "dequant_dtype": dequant_dtype if any(d.dtype_rule == "dequant" for d in plan.dests.values()) else None,
-            "files_written": sorted(extra + side),
-            "peak_buffer_bytes": peak_buffer,
-            "bytes_read": read_bytes_total,
-            "elapsed_s": round(elapsed, 3),
-            "sources": src_report,
-            "destinations": dst_report,
-        }
+        report = build_report(job, layout, mapper, src_report, dst_report, files, dequant_dtype, elapsed)
         with open(os.path.join(tmp, REPORT_NAME), "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1)
             fh.write("\n")
-    if nonfinite:
-        named = ", ".join(f"{k} ({v})" for k, v in sorted(nonfinite.items())[:8])
-        log(f"warning: {len(nonfinite)} source tensor(s) hold NaN / inf values (copied as they are; counts in "
-            f"{REPORT_NAME} under nonfinite_values): {named}")
-    log(f"wrote {os.path.abspath(out_dir)}: {len(dst_report)} tensors, {total_size / 1e9:.3f} GB in {len(layout)} shard(s), "
-        f"{elapsed:.1f} s ({read_bytes_total / 1e9 / max(elapsed, 1e-9):.2f} GB/s)")
+    log_outcome(out_dir, report, mapper, elapsed)
     return report
+
+
+def log_outcome(out_dir: str, report: dict, mapper: TensorMapper, elapsed: float) -> None:
+    """The closing lines: non-finite source values (copied as they are) and what was written how fast."""
+    if mapper.nonfinite:
+        named = ", ".join(f"{k} ({v})" for k, v in sorted(mapper.nonfinite.items())[:8])
+        log(f"warning: {len(mapper.nonfinite)} source tensor(s) hold NaN / inf values (copied as they are; counts in "
+            f"{REPORT_NAME} under nonfinite_values): {named}")
+    dst = report["destination"]
+    log(f"wrote {os.path.abspath(out_dir)}: {dst['tensors']} tensors, {dst['bytes'] / 1e9:.3f} GB in "
+        f"{len(dst['shards'])} shard(s), {elapsed:.1f} s ({mapper.bytes_read / 1e9 / max(elapsed, 1e-9):.2f} GB/s)")

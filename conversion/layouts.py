@@ -16,7 +16,9 @@ Fusions are all expressible as element ranges because they only stack / concaten
 `conv1d[0:P] -> q_conv1d` ..., `A_log [1,1,H,1] <-> [H]` (same bytes). Hence released <-> ours is byte-exact.
 
 Layouts:
-  released -- Kimi-Linear remote-code names (moonshotai/Kimi-Linear-48B-A3B-*), docs/checkpoint-format.md section 2.
+  released -- Kimi-Linear remote-code names (moonshotai/Kimi-Linear-48B-A3B-*), docs/checkpoint-format.md section 2;
+              the name table is the bundle's (``kimi_hybrid.conversion_kimi_hybrid``: ``released_key``,
+              ``released_expert_key``, ``released_a_log_shape``), the one transformers' loading mapping is built from.
   native   -- transformers 5.x `kimi_linear` in-memory names (`self_attn.conv1d`, `self_attn.forget_gate.*`,
               `mlp.experts.gate_up_proj`). `save_pretrained` of transformers >= 5 writes the checkpoint back in the
               released names except that dense layers get `block_sparse_moe.{gate,up,down}_proj`; the "native"
@@ -33,9 +35,17 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from kimi_hybrid.conversion_kimi_hybrid import (
+    RELEASED_EXPERT_DOWN,
+    RELEASED_EXPERT_GATE_UP,
+    RELEASED_MOE_MODULE,
+    released_a_log_shape,
+    released_expert_key,
+    released_key,
+)
+
 from .safetensors_io import numel
 
-FP32_ALWAYS_SUFFIXES = ("self_attn.A_log", "self_attn.dt_bias", "gate.e_score_correction_bias")
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
@@ -125,7 +135,8 @@ def dims(cfg: dict) -> dict:
 
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_RELEASED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+_EXPERT_WEIGHTS = "|".join(RELEASED_EXPERT_GATE_UP + (RELEASED_EXPERT_DOWN,))
+_RELEASED_EXPERT = re.compile(rf"\.experts\.\d+\.({_EXPERT_WEIGHTS})\.weight$")
 
 
 def logical_tensors(cfg: dict) -> list[Logical]:
@@ -177,12 +188,6 @@ def _logical_tensors_of_model(cfg: dict) -> list[Logical]:
     return out
 
 
-def _released_name(lt: Logical, sparse: bool) -> str:
-    if sparse and lt.sub.startswith("mlp."):
-        return f"model.layers.{lt.layer}.block_sparse_moe." + lt.sub[len("mlp."):]
-    return lt.key
-
-
 def _rule(lt: Logical) -> str:
     return "fp32" if lt.kind in ("fp32", "alog") else "same"
 
@@ -223,21 +228,22 @@ def plan_to_ours(cfg: dict, src_format: str, variant: str = "") -> Plan:
             for s in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
                 if lt.sub == "self_attn." + s:
                     name = lp + "self_attn.forget_gate." + s
-            shape = (1, 1, g["H"], 1) if lt.kind == "alog" else lt.shape
+            shape = released_a_log_shape(g["H"]) if lt.kind == "alog" else lt.shape
             plan.add_src(name, shape)
             dst.pieces.append(Piece("copy", (name,), 0, n, 0))
             continue
         # released-style names (released, native-saved, k3)
         if lt.kind in ("gate_up", "down"):
             E, F, De = lt.shape[0], g["F"], g["De"]
-            base = lp + "block_sparse_moe.experts."
             per = F * De
+            gate_w, up_w = RELEASED_EXPERT_GATE_UP
             for e in range(E):
-                parts = (("w1", 2 * e), ("w3", 2 * e + 1)) if lt.kind == "gate_up" else (("w2", e),)
+                parts = ((gate_w, 2 * e), (up_w, 2 * e + 1)) if lt.kind == "gate_up" else ((RELEASED_EXPERT_DOWN, e),)
                 for w, slot in parts:
-                    shp = (F, De) if w != "w2" else (De, F)
+                    shp = (F, De) if w != RELEASED_EXPERT_DOWN else (De, F)
+                    k = released_expert_key(lp, e, w)
                     if mxfp4:
-                        kp, ks = f"{base}{e}.{w}.weight_packed", f"{base}{e}.{w}.weight_scale"
+                        kp, ks = k[:-len(".weight")] + ".weight_packed", k[:-len(".weight")] + ".weight_scale"
                         out_f, in_f = shp
                         if in_f % 32:
                             raise PlanError(f"MXFP4 needs the input width ({in_f}) to be a multiple of 32")
@@ -245,26 +251,25 @@ def plan_to_ours(cfg: dict, src_format: str, variant: str = "") -> Plan:
                         plan.add_src(ks, (out_f, in_f // 32), dtype="U8")
                         dst.pieces.append(Piece("mxfp4", (kp, ks), 0, per, slot * per, (out_f, in_f)))
                     else:
-                        k = f"{base}{e}.{w}.weight"
                         plan.add_src(k, shp)
                         dst.pieces.append(Piece("copy", (k,), 0, per, slot * per))
             if mxfp4:
                 dst.dtype_rule = "dequant"
             continue
-        name = prefix + _released_name(lt, sparse)
+        name = prefix + released_key(lt.key)
         aliases: tuple[str, ...] = ()
         if src_format == "native" and lt.layer >= 0 and not sparse and lt.sub.startswith("mlp."):
             # transformers' save_pretrained renames every `.mlp.` back to `.block_sparse_moe.`, dense ones included
-            aliases = (lp + "block_sparse_moe." + lt.sub[len("mlp."):],)
+            aliases = (f"{lp}{RELEASED_MOE_MODULE}." + lt.sub[len("mlp."):],)
         if lt.kind == "alog":
             H = g["H"]
             if src_format == "k3":
                 padded = -(-H // 128) * 128
-                shapes = [(padded,)] + ([(H,)] if padded != H else []) + [(1, 1, H, 1)]
+                shapes = [(padded,)] + ([(H,)] if padded != H else []) + [released_a_log_shape(H)]
                 plan.add_src(name, None, shapes=shapes)
                 dst.pieces.append(Piece("zero_tail", (name,), 0, H, 0))
             else:
-                plan.add_src(name, (1, 1, H, 1))
+                plan.add_src(name, released_a_log_shape(H))
                 dst.pieces.append(Piece("copy", (name,), 0, H, 0))
             continue
         plan.add_src(name, lt.shape, aliases)
@@ -290,7 +295,7 @@ def plan_ours_to_released(cfg: dict, variant: str = "") -> Plan:
             rd.pieces.append(Piece("copy", (rkey,), 0, numel(spec.shape), 0))
         return plan
     for lt in logical_tensors(cfg):
-        plan.add_src(lt.key, None, shapes=[lt.shape] + ([(1, 1, H, 1)] if lt.kind == "alog" else []))
+        plan.add_src(lt.key, None, shapes=[lt.shape] + ([released_a_log_shape(H)] if lt.kind == "alog" else []))
     for dkey, d in fwd.dests.items():
         for pc in d.pieces:
             (rkey,) = pc.srcs
@@ -319,7 +324,7 @@ def detect_variant(src_format: str, keys) -> str:
         return "fused" if fused else "saved"
     if src_format == "ours":
         # released names written by save_pretrained (the registered checkpoint-conversion mapping) vs our own layout
-        saved = any(".block_sparse_moe." in k or _RELEASED_EXPERT.search(k) for k in keys)
+        saved = any(f".{RELEASED_MOE_MODULE}." in k or _RELEASED_EXPERT.search(k) for k in keys)
         return "saved" if saved else ""
     if src_format == "k3":
         parts = []

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from train_default_model import (  # the sibling script (examples/ is on sys.path: the folder of the script run)
-    KDA, MLA, ROOT, KimiHybridForCausalLM, KimiHybridTokenizer, cast_for_shipping, count_params, evaluate,
+    MLA, ROOT, KimiHybridForCausalLM, KimiHybridTokenizer, cast_for_shipping, count_params, evaluate,
     load_ids, stdlib_config, train,
 )
 

@@ -170,9 +170,9 @@ def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None)
     if device.type == "cuda":
         out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     out["status"] = "done"
-    del opt, trainable
+    opt = trainable = None  # free the optimizer state before the native run
     pm.unload()  # remove the LoRA wrappers, keep the (shared) base weights
-    del pm
+    pm = None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

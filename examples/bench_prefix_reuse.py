@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM  # noqa: F401
+from kimi_hybrid import KimiHybridConfig, KimiHybridForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 

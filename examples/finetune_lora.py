@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 
-import kimi_hybrid  # noqa: F401  (registers the Auto classes)
 from kimi_hybrid.app.lora import merge_and_save, packing_collator, recommended_lora_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import platform
-import sys
 import sysconfig
 from pathlib import Path
 

@@ -13,14 +13,14 @@ Model (``default_config``): hidden 384, 8 layers ``[KDA, KDA, KDA, MLA] x 2``, K
 (nope 64, rope 32, v 64, kv_lora_rank 192), layer 0 a dense SiLU-GLU MLP (1536), layers 1-7 MoE with 8 routed
 experts (192 wide) top-2 + 1 shared expert, sigmoid router with the auxiliary-loss-free balancing bias of
 DeepSeek-V3 / Kimi (``e_score_correction_bias`` nudged towards equal load after every step), vocab 8448 =
-8192 BPE ranks + 256 Kimi specials: 27.6 M parameters, 55 MB in bf16. ``stdlib_config`` is the earlier, smaller
-shape (hidden 256), which ``examples/ablation_ratio.py`` still uses.
+8192 BPE ranks + 256 Kimi specials: 27.6 M parameters, 55 MB in bf16. ``stdlib_config`` is a smaller shape
+(hidden 256), the one ``examples/ablation_ratio.py`` uses.
 
 Optimisation: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only), linear warm-up then cosine decay to
 ``min_lr``, gradient clipping 1.0, fp32 master weights with bf16 autocast on CUDA (fp32 on CPU).
 
-``--steps 0`` (default) sizes the run to ``--time-budget`` seconds, not counting the first two steps (their
-start-up cost on a fresh GPU machine was minutes once): warm-up steps 3..``--calib-steps`` are timed and the total is
+``--steps 0`` (default) sizes the run to ``--time-budget`` seconds, not counting the first two steps (on a fresh GPU
+machine their start-up cost, kernel compilation and autotuning, can take minutes): warm-up steps 3..``--calib-steps`` are timed and the total is
 fixed from them. ``--deadline`` (a Unix time) caps that budget so that training ends by then, whatever the start-up
 cost was. The warm-up does not depend on the total, so the run equals ``--steps N`` with the N it logs.
 
@@ -716,7 +716,7 @@ def main(argv=None) -> int:
     params = count_params(model)
     fla = bool(device.type == "cuda" and fla_available())
     log(f"params: {json.dumps(params)}; bf16 bytes ~{params['total'] * 2 / 1e6:.1f} MB")
-    log(f"data: " + ", ".join(f"{s} {v.numel():,} ids" for s, v in ids.items()) +
+    log("data: " + ", ".join(f"{s} {v.numel():,} ids" for s, v in ids.items()) +
         f"; device {device}, torch {torch.__version__}, FLA kernels {fla}")
 
     metrics: Dict[str, Any] = {

@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-import kimi_hybrid  # noqa: F401  (registers the Auto classes)
 from kimi_hybrid.app.lora import enable_gradient_checkpointing, packing_collator, recommended_lora_config
 
 ROOT = Path(__file__).resolve().parents[1]

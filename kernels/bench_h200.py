@@ -1157,9 +1157,10 @@ def generate_section(bench):
     for who in ("ours", "native"):
         bench.R[who].setdefault("generate", {})
     for who, key, est, fn in generate_cases(bench):
-        if who == "native" and bench.native is None:
-            continue
         name = f"generate {who} {key}"
+        if who == "native" and bench.native is None:
+            bench.skip(name, "needs native")
+            continue
         bench.guard(name, fn, need_s=est, into=(bench.R[who]["generate"], key))
         print(name, bench.R[who]["generate"].get(key), flush=True)
     bench.guard("generate comparison", lambda: generate_comparison(bench),

@@ -101,4 +101,20 @@ def cache_field(cache: Any) -> dict:
     return {OUTPUT_CACHE_FIELD: cache}
 
 
+def has_expert_dispatch() -> bool:
+    """Whether this transformers ships expert dispatch for expert parallelism
+    (``transformers.distributed.expert_parallel.EpDispatchExpertsParallel``: 5.23 and 5.24 have it; 5.17 has no
+    expert-dispatch style, and its expert-parallel path was not verified with this model)."""
+    try:
+        from transformers.distributed import expert_parallel
+    except ImportError:
+        return False
+    return hasattr(expert_parallel, "EpDispatchExpertsParallel")
+
+
+# A literal dot inside a regex group of a checkpoint-conversion pattern: ``[.]``, not ``\.``, since transformers 5.17
+# unescapes ``\.`` inside a group when it reverses the pattern for saving (``gate.`` then matched ``gate_proj``)
+PATTERN_GROUP_DOT = "[.]"
+
+
 check_transformers_version()

@@ -20,9 +20,12 @@ from typing import Any, Dict, List, Optional
 from transformers import PretrainedConfig
 from transformers.utils import logging
 
-# registers transformers' checkpoint-conversion mapping released Kimi-Linear names <-> ours at import, in installed
+from .compat_kimi_hybrid import has_expert_dispatch
+from .conversion_kimi_hybrid import register_checkpoint_conversion
+
+# transformers' checkpoint-conversion mapping released Kimi-Linear names <-> ours, registered at import in installed
 # and remote-code use alike (every model load imports this file first)
-from .conversion_kimi_hybrid import register_checkpoint_conversion  # noqa: F401
+register_checkpoint_conversion()
 
 logger = logging.get_logger(__name__)
 
@@ -112,16 +115,11 @@ _NOT_CONFIG = ("architectures", "auto_map", "transformers_version", "quantizatio
 
 def _expert_parallel_plan() -> Optional[Dict[str, str]]:
     """The expert-parallel plan (``base_model_ep_plan``) where the installed transformers ships expert dispatch
-    (``transformers.distributed.expert_parallel.EpDispatchExpertsParallel``; 5.23 and 5.24 have it): whole experts
-    per rank, ``gate_up_proj [E, 2F, D_e]`` and ``down_proj [E, D_e, F]`` sharded on the expert dim
-    (``grouped_gemm``), tokens dispatched through the experts module (``ep_dispatch_experts``); :class:`KimiExperts`
-    skips the off-rank routes marked with the id ``num_experts``. None (no plan declared) on older releases (5.17):
-    their expert-parallel path was not verified with this model."""
-    try:
-        from transformers.distributed import expert_parallel
-    except ImportError:  # transformers 5.17: no expert-dispatch style
-        return None
-    if not hasattr(expert_parallel, "EpDispatchExpertsParallel"):
+    (:func:`compat_kimi_hybrid.has_expert_dispatch`): whole experts per rank, ``gate_up_proj [E, 2F, D_e]`` and
+    ``down_proj [E, D_e, F]`` sharded on the expert dim (``grouped_gemm``), tokens dispatched through the experts
+    module (``ep_dispatch_experts``); :class:`KimiExperts` skips the off-rank routes marked with the id
+    ``num_experts``. None (no plan declared) where it has none."""
+    if not has_expert_dispatch():
         return None
     return {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm",
             "layers.*.mlp.experts": "ep_dispatch_experts"}

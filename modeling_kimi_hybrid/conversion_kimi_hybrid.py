@@ -2,9 +2,9 @@
 """transformers' checkpoint-conversion mapping between the released Kimi-Linear tensor names and ours.
 
 Registered with ``transformers.conversion_mapping.register_checkpoint_conversion_mapping`` for ``model_type
-"kimi_hybrid"`` when this file is imported (``configuration_kimi_hybrid.py`` imports it, so the installed package and
-the Hub files loaded with ``trust_remote_code=True`` both register it; transformers only applies a mapping to custom
-code that registered one). With it, transformers' own loading machinery
+"kimi_hybrid"`` by :func:`register_checkpoint_conversion`, which ``configuration_kimi_hybrid.py`` calls at import (so
+the installed package and the Hub files loaded with ``trust_remote_code=True`` both register it; transformers only
+applies a mapping to custom code that registered one). With it, transformers' own loading machinery
 
 * loads a released Kimi-Linear folder (``moonshotai/Kimi-Linear-48B-A3B-*``: ``block_sparse_moe.``, per-expert
   ``experts.{e}.w1/w2/w3.weight``, ``A_log [1, 1, H, 1]``; docs/checkpoint-format.md) straight into
@@ -46,9 +46,38 @@ from transformers.core_model_loading import (
     WeightRenaming,
 )
 
+from .compat_kimi_hybrid import PATTERN_GROUP_DOT
+
 MODEL_TYPE = "kimi_hybrid"
 # model_type values of config.json files written by others (released remote code, transformers-native, K3)
 RELEASED_MODEL_TYPES = ("kimi_linear", "kimi_k3")
+
+# The released <-> ours name table, the one both transformers' mapping below and the streaming converter
+# (``kimi_hybrid.conversion``) are built from. Every tensor not named here keeps its name and shape.
+RELEASED_MOE_MODULE, OUR_MOE_MODULE = "block_sparse_moe", "mlp"  # a sparse layer's MoE block
+MOE_SUBMODULES = ("gate.", "shared_experts.", "experts.", "routed_expert_")  # renamed with it (dense MLPs are not)
+RELEASED_EXPERT_GATE_UP = ("w1", "w3")  # per expert [F, D] each, stacked in this order into gate_up_proj [E, 2F, D]
+RELEASED_EXPERT_DOWN = "w2"  # per expert [D, F], stacked into down_proj [E, D, F]
+
+
+def released_key(key: str) -> str:
+    """The released name of our tensor ``key`` (the MoE sub-modules move from ``mlp.`` to ``block_sparse_moe.``).
+    The fused experts are stored per expert there instead: :func:`released_expert_key`."""
+    head, sep, tail = key.partition(f".{OUR_MOE_MODULE}.")
+    if sep and tail.startswith(MOE_SUBMODULES):
+        return f"{head}.{RELEASED_MOE_MODULE}.{tail}"
+    return key
+
+
+def released_expert_key(layer_prefix: str, expert: int, weight: str) -> str:
+    """Released name of one expert's ``weight`` (``w1`` / ``w2`` / ``w3``) in the layer ``layer_prefix``
+    (``"model.layers.{i}."``)."""
+    return f"{layer_prefix}{RELEASED_MOE_MODULE}.experts.{expert}.{weight}.weight"
+
+
+def released_a_log_shape(num_heads: int) -> tuple:
+    """The released shape of ``self_attn.A_log`` (ours: ``[num_heads]``, the same values)."""
+    return (1, 1, num_heads, 1)
 
 
 class KimiALogReshape(ConversionOps):
@@ -90,19 +119,18 @@ def checkpoint_conversion_mapping() -> list:
     converter, then the renamings); the expert patterns hold no ``mlp.`` / ``block_sparse_moe.`` so that they match
     the key in either naming.
     """
+    moe_group = "|".join(s.replace(".", PATTERN_GROUP_DOT) for s in MOE_SUBMODULES)
     return [
-        # the MoE sub-modules of sparse layers (and K3's latent-MoE projections); dense `mlp.gate_proj` never matches.
-        # The dots inside the group are `[.]`, not `\.`: transformers 5.17 unescapes `\.` inside a group when it
-        # reverses the pattern for saving, and `gate.` would then match `gate_proj` too
-        WeightRenaming(source_patterns=r"\.block_sparse_moe\.(gate[.]|shared_experts[.]|experts[.]|routed_expert_)",
-                       target_patterns=r".mlp.\1"),
+        # the MoE sub-modules of sparse layers (and K3's latent-MoE projections); dense `mlp.gate_proj` never matches
+        WeightRenaming(source_patterns=rf"\.{RELEASED_MOE_MODULE}\.({moe_group})",
+                       target_patterns=rf".{OUR_MOE_MODULE}.\1"),
         # w1 (gate) then w3 (up) of every expert -> experts.gate_up_proj [E, 2F, D]
-        WeightConverter(source_patterns=[r"\.experts.*.w1.weight", r"\.experts.*.w3.weight"],
+        WeightConverter(source_patterns=[rf"\.experts.*.{w}.weight" for w in RELEASED_EXPERT_GATE_UP],
                         target_patterns=r"\.experts.gate_up_proj",
                         operations=[MergeModulelist(dim=0), Concatenate(dim=1)]),
         # w2 (down) of every expert -> experts.down_proj [E, D, F]
-        WeightConverter(source_patterns=r"\.experts.*.w2.weight", target_patterns=r"\.experts.down_proj",
-                        operations=[MergeModulelist(dim=0)]),
+        WeightConverter(source_patterns=rf"\.experts.*.{RELEASED_EXPERT_DOWN}.weight",
+                        target_patterns=r"\.experts.down_proj", operations=[MergeModulelist(dim=0)]),
         # A_log [1, 1, H, 1] -> [H]
         WeightConverter(source_patterns=r"self_attn.A_log", target_patterns=r"self_attn.A_log",
                         operations=[KimiALogReshape()]),
@@ -182,7 +210,7 @@ def refuse_unmapped_folder(source, subfolder: str, cls_name: str) -> None:
         f"    kimi-hybrid-convert {src} {out}")
 
 
-register_checkpoint_conversion()
-
-__all__ = ["KimiALogReshape", "MODEL_TYPE", "RELEASED_MODEL_TYPES", "checkpoint_conversion_mapping",
-           "checkpoint_format", "refuse_unmapped_folder", "register_checkpoint_conversion", "unmapped_reason"]
+__all__ = ["KimiALogReshape", "MODEL_TYPE", "MOE_SUBMODULES", "OUR_MOE_MODULE", "RELEASED_EXPERT_DOWN",
+           "RELEASED_EXPERT_GATE_UP", "RELEASED_MODEL_TYPES", "RELEASED_MOE_MODULE", "checkpoint_conversion_mapping",
+           "checkpoint_format", "refuse_unmapped_folder", "register_checkpoint_conversion", "released_a_log_shape",
+           "released_expert_key", "released_key", "unmapped_reason"]

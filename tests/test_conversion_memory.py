@@ -7,11 +7,8 @@ higher; we require the difference to stay below 20 MB and the converter's buffer
 """
 
 import json
-import os
 import subprocess
 import sys
-
-import torch
 
 from conversion_fixtures import released_tensors, tiny_released_config, write_checkpoint
 

@@ -17,7 +17,6 @@ import torch
 
 from conversion_fixtures import read_all, same_bytes, write_checkpoint
 
-from kimi_hybrid.conversion import config_io
 from kimi_hybrid.conversion.convert import convert_checkpoint
 from kimi_hybrid.conversion.model_glue import model_package
 from kimi_hybrid.conversion.state_dict import native_state_dict_to_ours
@@ -73,7 +72,7 @@ def _released_from_native(sd, cfg) -> dict:
             out[k.replace(".mlp.", ".block_sparse_moe.")] = v.clone()
         else:
             out[k] = v.clone()
-    assert out[f"model.layers.0.self_attn.A_log"].shape == (1, 1, H, 1)
+    assert out["model.layers.0.self_attn.A_log"].shape == (1, 1, H, 1)
     return out
 
 
