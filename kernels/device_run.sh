@@ -24,17 +24,18 @@ export OUT
 mkdir -p "$OUT"
 T0=$(date +%s)
 TOTAL_S=${TOTAL_S:-570}
+KH=${KH_TMP:-/tmp}  # where the wheels and the package are installed (kh_site, kh_pkg) and pip logs go
 el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( TOTAL_S - ($(date +%s) - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kh_site \
-  "${WHEELS:?set WHEELS to a folder of wheels}"/*.whl > /tmp/kh_pip.log 2>&1 || { cat /tmp/kh_pip.log; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $KH/kh_site \
+  "${WHEELS:?set WHEELS to a folder of wheels}"/*.whl > $KH/kh_pip.log 2>&1 || { cat $KH/kh_pip.log; exit 3; }
 # a package folder packed as .tar.xz (transformers without its other models, to fit the 64 MiB a call carries)
-for t in "$WHEELS"/*.tar.xz; do [ -f "$t" ] && tar xJf "$t" -C /tmp/kh_site && el "unpacked $(basename "$t")"; done
+for t in "$WHEELS"/*.tar.xz; do [ -f "$t" ] && tar xJf "$t" -C $KH/kh_site && el "unpacked $(basename "$t")"; done
 # the package itself, imported as kimi_hybrid (with kimi_hybrid.kernels / .conversion / .app); reinstalled on every
 # call, so a machine still warm from a previous call runs this call's code
-rm -rf /tmp/kh_pkg; python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/kh_pkg . \
-  > /tmp/kh_pkg.log 2>&1 || { cat /tmp/kh_pkg.log; exit 3; }
-export PYTHONPATH=/tmp/kh_site:/tmp/kh_pkg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+rm -rf $KH/kh_pkg; python3 -m pip install -q --no-deps --no-build-isolation --no-index --target $KH/kh_pkg . \
+  > $KH/kh_pkg.log 2>&1 || { cat $KH/kh_pkg.log; exit 3; }
+export PYTHONPATH=$KH/kh_site:$KH/kh_pkg PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 # TRITON_CACHE_ROOT outside the copied tree (e.g. /tmp/khtc) keeps compiled kernels and inductor graphs between
 # calls on a machine that stayed warm; the autotune tgz warms a fresh one
 CR=${TRITON_CACHE_ROOT:-$PWD/.triton_cache}
