@@ -1,13 +1,9 @@
 """Expert GEMVs for decode-sized MoE on CUDA (Triton): each chosen expert's weights are read in place.
 
-``moe_decode_gemv`` computes what the routed experts of ``KimiExperts`` compute (``kimi_hybrid.moe_kimi_hybrid``),
-for a few tokens: ``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))`` with ``e = idx[n, j]``. Its
-plain-PyTorch reference is that module's expert loop (``KimiExperts.forward`` on CPU, or with the GEMVs disabled);
-the tests compare the two: ``tests/test_triton_interpreter.py`` in Triton's interpreter on CPU,
-``kernels/tests/test_gpu_kernels.py::test_moe_decode_gemv_vs_reference`` on CUDA.
-
-The model bundle imports this module inside a ``try`` block: a Hub copy of the bundle without the kimi-hybrid
-package (or without triton) serves every device with the grouped GEMM / expert loop instead.
+``moe_decode_gemv`` computes ``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))`` with
+``e = idx[n, j]`` for a few tokens (the ``"kimi_hybrid_gemv"`` expert implementation of ``KimiExperts``). Reference:
+:func:`kimi_hybrid.kernels.moe_decode.naive.naive_moe_decode`. Tests: kernels/tests/test_moe_decode.py (CUDA),
+tests/test_triton_interpreter.py (Triton's interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ import triton
 import triton.language as tl
 
 __all__ = ["moe_decode_gemv"]
-
 
 
 @triton.jit
