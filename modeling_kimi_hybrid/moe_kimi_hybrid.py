@@ -40,7 +40,7 @@ from .kernels_kimi_hybrid import load_kernel
 from .norms_kimi_hybrid import KimiRMSNorm
 
 __all__ = ["KimiMLP", "KimiRouter", "KimiExperts", "KimiMoE", "glu_act", "MOE_GEMV_MAX_PAIRS", "grouped_mm_applies",
-           "gemv_experts_forward", "grouped_experts_forward", "EXPERTS_FUNCTIONS"]
+           "gemv_experts_forward", "grouped_experts_forward", "EXPERTS_FUNCTIONS", "route_topk"]
 
 MOE_GEMV_MAX_PAIRS = 32  # token-expert pairs; above this the grouped GEMM reads each hit expert once instead
 
@@ -234,23 +234,43 @@ class KimiRouter(nn.Module):
         return logits, w, idx
 
     def route(self, logits: torch.Tensor):
-        """The routing decision from ``logits [N, E]`` (fp32): ``(topk_weights [N, k] fp32, topk_idx [N, k])``."""
+        """The routing decision from ``logits [N, E]`` (fp32): ``(topk_weights [N, k] fp32, topk_idx [N, k])``. On
+        CUDA without autograd (outside ``torch.compile``) one Triton launch (``kimi_hybrid.kernels.moe_decode``)
+        where ``load_kernel`` finds it, else :func:`route_topk`."""
         c = self.config
-        scores = logits.sigmoid() if c.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float()
-        G = c.num_expert_group if c.use_grouped_topk else 1
-        if G > 1:
-            grouped = choice.view(-1, G, self.num_experts // G)
-            top = min(2, grouped.shape[-1])
-            group_scores = grouped.topk(top, dim=-1).values.sum(-1)
-            keep = group_scores.topk(c.topk_group, dim=-1).indices
-            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask.repeat_interleave(self.num_experts // G, dim=1), float("-inf"))
-        idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.top_k > 1 and c.moe_renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * c.routed_scaling_factor, idx
+        kw = dict(top_k=self.top_k, num_groups=c.num_expert_group if c.use_grouped_topk else 1,
+                  topk_group=c.topk_group, sigmoid=c.moe_router_activation_func == "sigmoid",
+                  renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor)
+        bias = self.e_score_correction_bias
+        kernel = load_kernel("moe_decode") if logits.is_cuda and not _compiling() else None
+        if kernel is not None and not torch.is_grad_enabled() and kernel.route_topk_supports(logits, **kw):
+            return kernel.route_topk_triton(logits, bias, **kw)
+        return route_topk(logits, bias, **kw)
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, num_groups: int, topk_group: int,
+               sigmoid: bool, renormalize: bool, scaling: float):
+    """DeepSeek-V3 / Kimi routing: ``logits [N, E]`` fp32 -> ``(topk_weights [N, k] fp32, topk_idx [N, k] int64)``.
+
+    Scores ``sigmoid(logits)`` (or softmax); the choice adds ``bias [E]`` (``e_score_correction_bias``); with
+    ``num_groups`` G > 1 only the ``topk_group`` groups with the largest sum of their top-2 choice scores compete;
+    the weights are the unbiased scores of the chosen experts (in descending choice order), divided by their sum
+    (+1e-20) if ``renormalize`` and k > 1, times ``scaling``."""
+    E = logits.shape[-1]
+    scores = logits.sigmoid() if sigmoid else logits.softmax(-1)
+    choice = scores + bias.float()
+    if num_groups > 1:
+        grouped = choice.view(-1, num_groups, E // num_groups)
+        top = min(2, grouped.shape[-1])
+        group_scores = grouped.topk(top, dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~gmask.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    idx = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if top_k > 1 and renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, idx
 
 
 @use_experts_implementation

@@ -1,11 +1,14 @@
-"""Plain-PyTorch references of the expert decode kernels: the experts' loop, one (token, expert) pair at a time."""
+"""Plain-PyTorch references of the expert decode kernels: the experts' loop, one (token, expert) pair at a time, and
+the bundle's routing (``moe_kimi_hybrid.route_topk``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["naive_moe_decode"]
+from kimi_hybrid.moe_kimi_hybrid import route_topk as naive_route_topk
+
+__all__ = ["naive_moe_decode", "naive_route_topk"]
 
 
 def naive_moe_decode(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kimi_hybrid import moe_kimi_hybrid as moe
-from kimi_hybrid.kernels.moe_decode import moe_decode_gemv, naive_moe_decode
+from kimi_hybrid.kernels.moe_decode import (GemvConfig, moe_decode_gemv, naive_moe_decode, naive_route_topk,
+                                            route_topk_triton)
 from kimi_hybrid.kernels.testing import rel_err
 from presets import preset_config
 
@@ -81,3 +82,52 @@ def test_experts_decode_dispatch_uses_the_gemv(N):
         assert torch.equal(y, moe_decode_gemv(x, idx, w, ex.gate_up_proj, ex.down_proj))
         y_grouped = moe.EXPERTS_FUNCTIONS["kimi_hybrid_grouped_mm"](ex, x, idx, w)
     assert rel_err(y, y_grouped) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [GemvConfig(), GemvConfig(gate_up_n=8, gate_up_k=512, down_n=64, down_k=128,
+                                                             num_warps=8, num_stages=2)])
+def test_moe_decode_gemv_tile_configs_agree(config):
+    """Any tile configuration gives the reference's result (fp32, rel 1e-5)."""
+    _, ex = _experts(64, 8, 256, 96, torch.float32)
+    x, idx, w = _routes(5, 64, 8, 256, torch.float32, seed=9)
+    with torch.no_grad():
+        y = moe_decode_gemv(x, idx, w, ex.gate_up_proj, ex.down_proj, config=config)
+        ref = naive_moe_decode(x, idx, w, ex.gate_up_proj, ex.down_proj)
+    assert rel_err(y, ref) < 1e-5
+
+
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 5, 32])
+@pytest.mark.parametrize("E,k,G,TG,sig", [(256, 8, 1, 1, True), (64, 4, 8, 3, True), (32, 2, 4, 2, False)])
+def test_route_topk_triton_vs_naive(N, E, k, G, TG, sig):
+    """One-launch routing == the bundle's routing: the same experts in the same order, weights rel 1e-6."""
+    g = torch.Generator(device="cuda").manual_seed(N * E)
+    logits = torch.randn(N, E, device="cuda", generator=g) * 3
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1
+    kw = dict(top_k=k, num_groups=G, topk_group=TG, sigmoid=sig, renormalize=True, scaling=2.446)
+    w, idx = route_topk_triton(logits, bias, **kw)
+    w_ref, idx_ref = naive_route_topk(logits, bias, **kw)
+    assert torch.equal(idx, idx_ref)
+    assert rel_err(w, w_ref) < 1e-6
+
+
+@needs_cuda
+def test_router_uses_the_routing_kernel():
+    """``KimiRouter`` on CUDA without autograd routes through the kernel (== its output) and equals the bundle's
+    routing."""
+    cfg = preset_config("tiny-kda-first", num_experts=64, num_experts_per_token=8, hidden_size=128)
+    torch.manual_seed(0)
+    router = moe.KimiRouter(cfg).cuda()
+    torch.nn.init.normal_(router.weight, std=0.1)
+    torch.nn.init.normal_(router.e_score_correction_bias, std=0.01)
+    x = torch.randn(7, 128, device="cuda")
+    with torch.no_grad():
+        logits, w, idx = router(x)
+        kw = dict(top_k=8, num_groups=cfg.num_expert_group if cfg.use_grouped_topk else 1,
+                  topk_group=cfg.topk_group, sigmoid=cfg.moe_router_activation_func == "sigmoid",
+                  renormalize=cfg.moe_renormalize, scaling=cfg.routed_scaling_factor)
+        w_k, idx_k = route_topk_triton(logits, router.e_score_correction_bias, **kw)
+        w_ref, idx_ref = moe.route_topk(logits, router.e_score_correction_bias, **kw)
+    assert torch.equal(idx, idx_k) and torch.equal(w, w_k)
+    assert torch.equal(idx, idx_ref) and rel_err(w, w_ref) < 1e-6
