@@ -17,6 +17,8 @@ that as a fraction of the measured copy bandwidth, the reference's time, the spe
   routing         one-launch routing vs ``moe_kimi_hybrid.route_topk``, batch 1 / 32 (time only: bytes are tiny)
   kda_decode      Triton KDA recurrence (``kernels.kda_decode``) vs FLA ``fused_recurrent_kda`` (if installed) and the
                   plain-PyTorch reference, batch 1 / 32; bytes = state read + write + q/k/v/g/beta + output
+  kda_decode_step the fused decode step (conv update ... gated RMSNorm, ``kda_decode_step``) vs the same step as
+                  separate torch ops, batch 1 / 8 / 32; bytes = state + conv windows read + written, inputs, output
 
 Timing: each measured call is replayed from a CUDA graph holding ``reps`` calls on rotating input copies (together
 larger than the L2 cache, so no call reads another's data from L2); time = median replay / reps.
@@ -281,6 +283,38 @@ def bench_kda_decode(ctx: dict) -> List[dict]:
             extra["fla_us"] = round(1e6 * time_per_call(make, lambda q, k, v, g, b, h0: fused_recurrent_kda(
                 q, k, v, g, b, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True), n), 2)
         rows.append(row(ctx, f"B{B} T1", t, _kda_bytes(B), t_ref, **extra))
+    return rows
+
+
+def _kda_step_inputs(B: int, i: int):
+    g = torch.Generator(device="cuda").manual_seed(i)
+    P, W = KDA_HEADS * KDA_DIM, 4
+    r = lambda *shape: torch.randn(*shape, device="cuda", generator=g)  # noqa: E731
+    return (r(B, 3 * P).bfloat16(), r(B, 3 * P, W).bfloat16(), (r(3 * P, 1, W) * 0.5).bfloat16(), r(B, P).bfloat16(),
+            torch.rand(KDA_HEADS, device="cuda", generator=g), r(P), r(B, KDA_HEADS).bfloat16(), r(B, P).bfloat16(),
+            torch.ones(KDA_DIM, device="cuda"), r(B, KDA_HEADS, KDA_DIM, KDA_DIM) * 0.1)
+
+
+def _kda_step_bytes(B: int) -> int:
+    P, W = KDA_HEADS * KDA_DIM, 4
+    return 2 * B * KDA_HEADS * KDA_DIM * KDA_DIM * 4 + 2 * B * 3 * P * W * 2 + B * (3 * P + 2 * P + KDA_HEADS) * 2 \
+        + B * P * 2
+
+
+@section("kda_decode_step")
+def bench_kda_decode_step(ctx: dict) -> List[dict]:
+    """The fused KDA decode step vs the same step as separate torch ops (the composed reference)."""
+    from kimi_hybrid.kernels.kda_decode import kda_decode_step, naive_kda_decode_step
+
+    kw = dict(num_heads=KDA_HEADS, eps=1e-5)
+    rows = []
+    for B in (1, 8, 32):
+        n = sets_for(_kda_step_bytes(B))
+        make = lambda i, B=B: _kda_step_inputs(B, i)  # noqa: E731
+        t = time_per_call(make, lambda *a: kda_decode_step(*a, **kw), n)
+        t_ref = time_per_call(make, lambda *a: naive_kda_decode_step(*a, **kw), n, reps=5)
+        rows.append(row(ctx, f"B{B} H{KDA_HEADS} K{KDA_DIM}", t, _kda_step_bytes(B), t_ref,
+                        ref="separate torch ops"))
     return rows
 
 

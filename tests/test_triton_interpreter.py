@@ -143,3 +143,37 @@ def test_routing_in_the_interpreter():
     in the same order, weights to rel 1e-6."""
     for same_idx, w_err, same_dtype in run_interpreted(ROUTING):
         assert same_idx and same_dtype and w_err < 1e-6
+
+
+KDA_DECODE_STEP = r"""
+from kimi_hybrid import kda_kimi_hybrid as kk
+from kimi_hybrid.kernels.kda_decode import kda_decode_step, naive_kda_decode_step
+out = []
+for (B, H, K, W, lb, masked) in [(2, 2, 16, 4, None, False), (3, 3, 24, 4, -5.0, True), (1, 1, 32, 3, None, False)]:
+    g = torch.Generator().manual_seed(B * 7 + K)
+    P = H * K
+    x_raw = torch.randn(B, 3 * P, generator=g)
+    cs = torch.randn(B, 3 * P, W, generator=g)
+    cw = torch.randn(3 * P, 1, W, generator=g) * 0.5
+    g_raw = torch.randn(B, P, generator=g)
+    A_log = torch.rand(H, generator=g)
+    dtb = torch.randn(P, generator=g)
+    braw = torch.randn(B, H, generator=g)
+    gate = torch.randn(B, P, generator=g)
+    nw = torch.rand(K, generator=g) + 0.5
+    st = torch.randn(B, H, K, K, generator=g) * 0.1
+    valid = torch.tensor([True, False, True][:B]) if masked else None
+    kw = dict(num_heads=H, eps=1e-5, lower_bound=lb, valid=valid)
+    ref, ref_cs, ref_st = naive_kda_decode_step(x_raw, cs, cw, g_raw, A_log, dtb, braw, gate, nw, st, **kw)
+    cs2, st2 = cs.clone(), st.clone()
+    got = kda_decode_step(x_raw, cs2, cw, g_raw, A_log, dtb, braw, gate, nw, st2, num_warps=4, **kw)
+    out.append([rel(got, ref), rel(st2, ref_st), torch.equal(cs2, ref_cs), list(got.shape) == list(ref.shape)])
+print(json.dumps(out))
+"""
+
+
+def test_kda_decode_step_in_the_interpreter():
+    """The fused decode step (conv update to gated RMSNorm) == the composed references: Kimi-Linear and K3 gates,
+    an invalid row (window and state unchanged), conv widths 4 and 3, odd head dims; the window exact."""
+    for o_err, s_err, same_window, same_shape in run_interpreted(KDA_DECODE_STEP):
+        assert same_shape and same_window and o_err < 1e-5 and s_err < 1e-5

@@ -9,7 +9,7 @@ from kimi_hybrid.kernels import bench_kernels as bk
 
 def test_sections_registry_and_row_arithmetic():
     assert list(bk.SECTIONS) == ["copy", "mla_decode", "mla_sweep", "moe_gemv", "moe_gemv_sweep", "routing",
-                                 "kda_decode"]
+                                 "kda_decode", "kda_decode_step"]
     r = bk.row({"copy_gbps": 4000.0}, "x", 1e-3, 2_000_000_000, ref_seconds=3e-3)
     assert r["GB/s"] == 2000.0 and r["of_copy_bw"] == 0.5 and r["speedup"] == 3.0 and r["us"] == 1000.0
     assert bk.sets_for(bk.L2_FLUSH_BYTES) == 1 and bk.sets_for(1) == 16
