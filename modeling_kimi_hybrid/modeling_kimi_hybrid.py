@@ -46,6 +46,7 @@ from .configuration_kimi_hybrid import KimiHybridConfig
 from .conversion_kimi_hybrid import refuse_unmapped_folder
 from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
+from .kernels_kimi_hybrid import load_kernel
 # (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
 from .norms_kimi_hybrid import KimiGatedRMSNorm, KimiRMSNorm
@@ -359,6 +360,10 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K, P = self.num_heads, self.head_dim, self.proj_dim
         conv_state, init_state = cache.kda_states(self.layer_idx) if cache is not None else (None, None)
+        if T == 1 and init_state is not None and cu_seqlens is None:
+            fused = self._fused_decode_step(x, cache, conv_state, init_state, valid)
+            if fused is not None:
+                return fused
         x_raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
         weight = self.conv_weight()
         if conv_state is not None and T == 1:
@@ -393,6 +398,27 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.reshape(B, T, H, K), gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, P))
+
+    def _fused_decode_step(self, x, cache, conv_state, init_state, valid):
+        """One decode token through the fused Triton step (``kimi_hybrid.kernels.kda_decode.kda_decode_step``: conv
+        update to gated RMSNorm in one launch, the cache's window and state updated in place) where it applies: CUDA,
+        no autograd, outside torch.compile, no rollback recording, buffers it can update in place. Returns the
+        layer output ``[B, 1, D]``, or None (the unfused path runs)."""
+        if not x.is_cuda or torch.is_grad_enabled() or _compiling() or cache.is_recording_past(self.layer_idx):
+            return None
+        ops = load_kernel("kda_decode")
+        if ops is None or not ops.kda_decode_step_supports(conv_state, init_state, self.num_heads):
+            return None
+        xt = x[:, 0]
+        x_raw = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], dim=-1)
+        gate = self.g_proj(xt) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(xt))
+        out = ops.kda_decode_step(x_raw, conv_state, self.conv_weight(), self.f_b_proj(self.f_a_proj(xt)),
+                                  self.A_log, self.dt_bias, self.b_proj(xt), gate, self.o_norm.weight, init_state,
+                                  num_heads=self.num_heads, eps=self.o_norm.variance_epsilon,
+                                  lower_bound=self.config.gate_lower_bound,
+                                  valid=None if valid is None else valid[:, 0])
+        cache.kda_update(self.layer_idx, conv_state, init_state)
+        return self.o_proj(out.reshape(x.shape[0], 1, -1))
 
     def _window_at(self, conv_state, x_raw, lengths):
         """Last W real pre-conv inputs of each row (real tokens are at the front), oldest first: ``[B, C, W]``."""

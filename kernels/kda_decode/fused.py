@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["kda_decode_step"]
+__all__ = ["kda_decode_step", "kda_decode_step_supports"]
 
 
 @triton.jit
@@ -90,6 +90,15 @@ def _kda_step_kernel(x_ptr, cs_ptr, cw_ptr, graw_ptr, alog_ptr, dtb_ptr, braw_pt
     gate = tl.load(gate_ptr + b * P + h * V + ov, mask=mv, other=0.0).to(tl.float32)
     o = o * tl.load(nw_ptr + ov, mask=mv, other=0.0).to(tl.float32) * tl.sigmoid(gate)
     tl.store(out_ptr + (b * H + h) * V + ov, o.to(out_ptr.dtype.element_ty), mask=mv)
+
+
+def kda_decode_step_supports(conv_state: torch.Tensor, state: torch.Tensor, num_heads: int) -> bool:
+    """Whether :func:`kda_decode_step` can update these cache buffers in place: a contiguous ``[B, 3P, W]`` window
+    and a contiguous float32 ``[B, H, K, K]`` state on CUDA, K <= 256."""
+    return (conv_state.is_cuda and conv_state.dim() == 3 and conv_state.is_contiguous() and state.dim() == 4
+            and state.dtype == torch.float32 and state.is_contiguous() and state.shape[1] == num_heads
+            and state.shape[2] == state.shape[3] <= 256 and conv_state.shape[1] == 3 * num_heads * state.shape[2]
+            and conv_state.shape[0] == state.shape[0])
 
 
 def kda_decode_step(x_raw: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, g_raw: torch.Tensor,

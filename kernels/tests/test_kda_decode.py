@@ -2,6 +2,7 @@
 (skipped without CUDA). Tolerances: outputs rel 1e-2 (bf16) / 1e-5 (fp32), final states rel 1e-5."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,3 +113,48 @@ def test_kda_decode_step_rows_are_independent_and_graph_capturable(dtype):
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(captured, batch) and torch.equal(graph_args["state"], batch_args["state"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("static", [False, True])
+def test_layer_decode_uses_the_fused_step(dtype, tol, static, monkeypatch):
+    """A tiny model's decode steps on CUDA go through ``kda_decode_step`` (counted) and give the unfused layer's
+    logits and KDA states (padded batch: one row left-padded)."""
+    from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
+    from kimi_hybrid import modeling_kimi_hybrid as mk
+    from presets import preset_config
+
+    cfg = preset_config("tiny-kda-first", linear_attn_config={"head_dim": 32, "num_heads": 2,
+                                                              "short_conv_kernel_size": 4})
+    torch.manual_seed(0)
+    model = KimiHybridForCausalLM(cfg).eval().to("cuda", dtype)
+    ids = torch.randint(3, cfg.vocab_size, (2, 12), device="cuda")
+    mask = torch.ones(2, 12, dtype=torch.long, device="cuda")
+    mask[1, :3] = 0
+    real, calls = mk.load_kernel, []
+
+    def counting(op):  # the kernel package with its fused step counted
+        ops = real(op)
+        if op != "kda_decode" or ops is None:
+            return ops
+        step = ops.kda_decode_step
+        return SimpleNamespace(kda_decode_step_supports=ops.kda_decode_step_supports,
+                               kda_decode_step=lambda *a, **kw: calls.append(1) or step(*a, **kw))
+
+    def decode(fused):
+        monkeypatch.setattr(mk, "load_kernel", counting if fused else (lambda op: None))
+        cache = KimiHybridCache(cfg, max_cache_len=16) if static else KimiHybridCache(cfg)
+        with torch.no_grad():
+            model(ids[:, :9], attention_mask=mask[:, :9], past_key_values=cache, use_cache=True)
+            logits = [model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                            use_cache=True).logits for t in range(9, 12)]
+        kda = [i for i, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+        return torch.cat(logits, 1), [cache.kda_states(i)[1].clone() for i in kda]
+
+    ref_logits, ref_states = decode(False)
+    got_logits, got_states = decode(True)
+    assert calls  # the fused step ran
+    assert rel_err(got_logits, ref_logits) < tol
+    for a, b in zip(got_states, ref_states):
+        assert rel_err(a, b) < (1e-5 if dtype == torch.float32 else 1e-3)
