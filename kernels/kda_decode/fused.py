@@ -55,7 +55,7 @@ def _kda_step_kernel(x_ptr, cs_ptr, cw_ptr, graw_ptr, alog_ptr, dtb_ptr, braw_pt
     taps = tl.arange(0, BW)
     mk = ok < K
     mv = ov < V
-    valid = True
+    valid = b >= 0  # an i1 scalar: every row valid
     if HAS_VALID:
         valid = tl.load(valid_ptr + b) != 0
     xr = x_ptr + b * 3 * P

@@ -157,6 +157,8 @@ def latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, attn_mask: Op
             raise ValueError(f"attn_mask must be bool [B | 1, 1, T, S] = [{B} | 1, 1, {T}, {S}], got "
                              f"{tuple(attn_mask.shape)} {attn_mask.dtype}")
         mask = attn_mask[:, 0]
+    if q.dtype == torch.float32:  # fp32 tiles are twice the bytes: smaller key tiles, no pipelining (fits on-chip)
+        block_n, num_stages = min(block_n, 16), 1
     n_splits = num_splits or default_num_splits(S, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(max(S, 1), n_splits), block_n) * block_n
     n_splits = max(1, triton.cdiv(S, keys_per_split))
