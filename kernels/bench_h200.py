@@ -612,7 +612,7 @@ def batch_composition():
             except Exception as e:  # noqa: BLE001
                 d["triton_kda_decode_T1"] = f"{type(e).__name__}: {str(e)[:200]}"
             try:
-                from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
+                from kimi_hybrid.kernels.moe_decode import moe_decode_gemv
 
                 E, D, F_, k_top = 16, 2304, 1024, 8
                 gate_up, down = rn(E, 2 * F_, D, dtype=dtype) * 0.02, rn(E, D, F_, dtype=dtype) * 0.02

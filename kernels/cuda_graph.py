@@ -15,7 +15,7 @@ capture (warm-up steps run first, then the cache is restored in place).
     dec = GraphDecoder(model, cache)                                 # warm-up + capture (compile=True: fused)
     logits = dec.step(next_ids)                                      # [B, V]; the static output buffer
 
-The static cache's length lives in its device counter ``cache._pos`` (``cache.seen_tokens`` reads it, a host
+The static cache's length lives in its device counter (``cache.seen_tokens`` reads it, a host
 synchronisation); the replayed graph advances it on the device. ``GraphDecoder`` keeps its own host count of the
 positions used (``dec.position``), so ``step`` checks the room left without synchronising.
 """
@@ -26,38 +26,15 @@ from typing import Optional
 
 import torch
 
-from kimi_hybrid.cache_kimi_hybrid import KimiHybridCache, is_kda_layer, layer_tensors
+from kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
 
 __all__ = ["to_static_cache", "prefill_to_static", "GraphDecoder"]
 
 
 def to_static_cache(cache, max_cache_len: int):
-    """Copy a filled dynamic cache into a new static cache of ``max_cache_len`` positions (same batch, dtypes and
-    device). KDA conv windows and recurrent states are copied; MLA latents and the key mask fill the first
-    ``seen_tokens`` rows. Raises ValueError if the cache holds more tokens than ``max_cache_len``."""
-    T = cache.seen_tokens
-    if T > max_cache_len:
-        raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={max_cache_len}")
-    ref = next(t for layer in cache.layers
-               for t in layer_tensors(layer).values())
-    conv_dtype = next((l.conv_states[0].dtype for l in cache.layers if is_kda_layer(l)
-                       and l.conv_states[0] is not None), None)
-    lat_dtype = next((l.latent.dtype for l in cache.layers if not is_kda_layer(l)
-                      and l.latent is not None), None)
-    dtype = conv_dtype or lat_dtype or ref.dtype
-    B = cache.batch_size
-    st = KimiHybridCache(cache.config, max_cache_len=max_cache_len, batch_size=B, dtype=dtype, device=ref.device)
-    for a, b in zip(st.layers, cache.layers):
-        if is_kda_layer(a):
-            a.conv_states[0].copy_(b.conv_states[0])
-            a.recurrent_states[0].copy_(b.recurrent_states[0])
-            a.has_previous_state[0] = b.has_previous_state[0]
-        else:
-            a.latent[:, :T].copy_(b.latent)
-    st.key_mask[:, :T].copy_(cache.key_mask[:, :T])
-    st._pos.fill_(T)
-    st.seen_tokens = T
-    return st
+    """Copy a filled dynamic cache into a new static cache of ``max_cache_len`` positions
+    (:meth:`KimiHybridCache.to_static`). Raises ValueError if the cache holds more tokens than ``max_cache_len``."""
+    return cache.to_static(max_cache_len)
 
 
 @torch.no_grad()
@@ -96,13 +73,13 @@ class GraphDecoder:
     """
 
     def __init__(self, model, cache, warmup: int = 2, compile: bool = False):
-        if not cache.static:
+        if not cache.is_compileable:
             raise ValueError("GraphDecoder needs a static KimiHybridCache (max_cache_len=...)")
         if cache.seen_tokens == 0:
             raise ValueError("prefill the cache before capturing a decode step")
         self.model, self.cache = model, cache
         B = cache.batch_size
-        dev = cache._pos.device
+        dev = next(model.parameters()).device
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         snap = cache.snapshot()
         seen = cache.seen_tokens

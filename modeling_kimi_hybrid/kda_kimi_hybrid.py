@@ -37,6 +37,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .kernels_kimi_hybrid import load_kernel
+
 __all__ = [
     "l2norm",
     "kda_gate",
@@ -49,6 +51,7 @@ __all__ = [
     "short_conv",
     "short_conv_update",
     "fla_available",
+    "check_kda_inputs",
 ]
 
 L2NORM_EPS = 1e-6
@@ -97,7 +100,13 @@ def kda_gate(
     return float(lower_bound) * torch.sigmoid(rate * g)
 
 
-def _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
+def check_kda_inputs(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> int:
+    """Validate the shapes of a KDA call (``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``,
+    ``initial_state [N, H, K, V]``, ``cu_seqlens [N + 1]`` with B = 1). Returns N, the number of sequences.
+
+    Raises:
+        ValueError: naming the tensor whose shape is wrong and the shape expected.
+    """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -170,7 +179,7 @@ def recurrent_kda_ref(
     Raises:
         ValueError: on shape mismatches.
     """
-    _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens is not None:
         return _varlen_apply(recurrent_kda_ref, q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens)
@@ -216,7 +225,7 @@ def chunk_kda_ref(
     ``exp(G_C) * S_0 + (K * exp(G_C - G))^T U``. Decay differences are only taken for s <= r, so every exponent is
     <= 0 and nothing overflows whatever the decay.
     """
-    _check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens is not None:
         return _varlen_apply(chunk_kda_ref, q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens, chunk_size=chunk_size)
@@ -343,7 +352,7 @@ def causal_conv1d_update_ref(
 # ----------------------------------------------------------------------------------------------------------------
 
 _FLA = None
-USE_TRITON_DECODE = os.environ.get("KIMI_HYBRID_DISABLE_TRITON_DECODE", "0") != "1"
+USE_TRITON_DECODE = True  # runtime switch for A/B comparisons (the environment switch: load_kernel)
 
 
 def fla_available() -> bool:
@@ -354,30 +363,19 @@ def fla_available() -> bool:
             _FLA = False
             return False
         try:
-            from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
+            from fla.ops import kda as fla_kda
 
-            _FLA = True
+            _FLA = callable(fla_kda.chunk_kda) and callable(fla_kda.fused_recurrent_kda)
         except Exception:  # noqa: BLE001 - any import failure means "use the reference"
             _FLA = False
     return _FLA
 
 
-_DECODE_KERNEL = None
-
-
 def _decode_kernel():
-    """Our Triton decode kernel (``kimi_hybrid.kernels.kda_decode.kda_decode_triton``) when the kimi-hybrid package
-    is installed with triton, else None (a Hub folder loaded without the package uses FLA or the reference).
-    Imported on the first CUDA call, never on CPU; cached."""
-    global _DECODE_KERNEL
-    if _DECODE_KERNEL is None:
-        try:
-            from kimi_hybrid.kernels.kda_decode import TRITON_AVAILABLE, kda_decode_triton
-
-            _DECODE_KERNEL = kda_decode_triton if TRITON_AVAILABLE else False
-        except Exception:  # noqa: BLE001 - package or triton missing: FLA / the reference serve CUDA tensors
-            _DECODE_KERNEL = False
-    return _DECODE_KERNEL or None
+    """Our Triton decode kernel (``kimi_hybrid.kernels.kda_decode.kda_decode_triton``) where :func:`load_kernel`
+    finds it, else None (FLA or the reference serve CUDA tensors). Called on CUDA only."""
+    ops = load_kernel("kda_decode")
+    return None if ops is None else ops.kda_decode_triton
 
 
 def _use_fla(t: torch.Tensor) -> bool:
@@ -427,7 +425,7 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final
     kimi-hybrid package is installed) when continuing from a state without ``cu_seqlens``, else FLA
     ``fused_recurrent_kda``; :func:`recurrent_kda_ref` elsewhere (and whenever a gradient is
     needed: the recurrent kernels have none, so on CUDA FLA's chunked kernel, which has a backward, is used instead).
-    Set ``KIMI_HYBRID_DISABLE_TRITON_DECODE=1`` to route CUDA decode to FLA (A/B comparisons).
+    Set ``KIMI_HYBRID_DISABLE_KDA_DECODE=1`` to route CUDA decode to FLA (A/B comparisons).
 
     The Triton and FLA calls allocate their outputs and final states and never synchronise with the host, so a decode
     step that uses them can be captured in a CUDA graph (after a warm-up call has compiled / autotuned the kernels)."""

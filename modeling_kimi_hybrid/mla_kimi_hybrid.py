@@ -35,7 +35,10 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend_decompressed", "attend_latent", "attend_interface", "decompress_kv", "merge_partials",
+from .kernels_kimi_hybrid import load_kernel
+
+__all__ = ["attend_decompressed", "attend_latent", "latent_context", "attend_interface", "decompress_kv",
+           "merge_partials",
            "block_attention_lse", "fused_backend", "interface_mask", "mla_eager_attention_forward", "KV_BLOCK_BYTES",
            "SCORE_BLOCK_BYTES"]
 
@@ -398,6 +401,22 @@ def bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b).float()
 
 
+def latent_context(qf: torch.Tensor, latent: torch.Tensor, attn_mask: Optional[torch.Tensor], *, num_heads: int,
+                   kv_lora_rank: int, scaling: float) -> torch.Tensor:
+    """The latent-space attention context (the reference of the split-KV decode kernel): ``qf [B, T*H, r + rope]``
+    absorbed queries (row ``t * H + h``), ``latent [B, S, r + rope]``, ``attn_mask`` bool ``[B | 1, 1, T, S]`` or
+    None. Returns ``softmax(scaling * qf . latent^T) @ c_kv`` ``[B, T*H, r]`` in the latent's dtype; scores and
+    softmax in fp32, probabilities cast to the latent dtype for the context product, as SDPA does."""
+    B, M, _ = qf.shape
+    S, T = latent.shape[1], M // num_heads
+    scores = bmm_fp32(qf, latent.transpose(1, 2).to(qf.dtype))  # [B, T*H, S] fp32
+    scores = scores.view(B, T, num_heads, S).mul_(scaling)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask.transpose(1, 2), float("-inf"))  # [B|1, T, 1, S]
+    p = scores.softmax(-1).to(latent.dtype).view(B, M, S)
+    return torch.bmm(p, latent[..., :kv_lora_rank])
+
+
 def attend_latent(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tensor, attn_mask, *, num_heads: int,
                   kv_lora_rank: int, nope: int, v_dim: int, scaling: float) -> torch.Tensor:
     """Attention in latent space (decode): ``q [B, T, H, nope + rope]``, ``latent [B, S, r + rope]`` (the cache),
@@ -410,7 +429,9 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tens
     form one ``[T*H, r + rope] x [r + rope, S]`` product against the cache (MQA over one shared latent "head"): the
     step reads each cached latent once for the scores and its ``c_kv`` part once for the context, and nothing of size
     ``S x H`` except the fp32 scores. Scores and softmax are fp32; probabilities are cast to the latent dtype for the
-    context product, as SDPA does.
+    context product, as SDPA does. On CUDA, without autograd and outside ``torch.compile``, the context runs in the
+    split-KV Triton kernel (``kimi_hybrid.kernels.mla_decode``, every SM on its own block of keys) where
+    ``load_kernel`` finds it; :func:`latent_context` is its reference.
     """
     B, T, H, _ = q.shape
     S = latent.shape[1]
@@ -422,17 +443,16 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tens
     q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk.to(q.dtype))  # [H, B*T, r]
     q_lat = q_lat.transpose(0, 1).reshape(B, T, H, r)
     qf = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).reshape(B, T * H, r + rope)
-    scores = bmm_fp32(qf, latent.transpose(1, 2).to(qf.dtype))  # [B, T*H, S] fp32
-    scores = scores.view(B, T, H, S).mul_(scaling)
     if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":  # chunked prefill (SDPA bias object)
         attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
     if attn_mask is None and T > 1:
         q_abs = torch.arange(T, device=q.device) + (S - T)
         attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask.transpose(1, 2), float("-inf"))  # [B|1, T, 1, S]
-    p = scores.softmax(-1).to(latent.dtype).view(B, T * H, S)
-    ctx = torch.bmm(p, latent[..., :r])  # [B, T*H, r]
+    kernel = load_kernel("mla_decode") if latent.is_cuda and not _compiling() and not torch.is_grad_enabled() else None
+    if kernel is not None and kernel.latent_decode_supports(qf, latent, r, attn_mask, H):
+        ctx = kernel.latent_decode_attention(qf, latent, attn_mask, num_heads=H, kv_lora_rank=r, scaling=scaling)
+    else:
+        ctx = latent_context(qf, latent, attn_mask, num_heads=H, kv_lora_rank=r, scaling=scaling)
     ctx = ctx.view(B * T, H, r).transpose(0, 1)
     out = torch.bmm(ctx, w_uv.transpose(1, 2).to(ctx.dtype))  # [H, B*T, v]
     return out.transpose(0, 1).reshape(B, T, H, dv)

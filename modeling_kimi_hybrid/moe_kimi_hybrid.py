@@ -4,11 +4,15 @@ device paths.
 
 The routed experts run, by size and device:
 
-* decode on CUDA (at most ``MOE_GEMV_MAX_PAIRS`` token-expert pairs, no grad, SiLU-GLU): the Triton expert GEMVs of
-  ``kimi_hybrid.kernels.moe_gemv`` when the package and triton are installed;
-* otherwise pairs are sorted by expert and run as two grouped GEMMs on CUDA (``torch.nn.functional.grouped_mm`` /
-  ``torch._grouped_mm``, eligibility in ``_grouped_mm_ok``), as batched products gathered per row while a CUDA
-  graph is captured, or as a loop over the experts that received tokens (CPU, fp32, odd widths: the reference).
+* ``"kimi_hybrid_gemv"``: decode on CUDA (at most ``MOE_GEMV_MAX_PAIRS`` token-expert pairs, no grad, SiLU-GLU):
+  the Triton expert GEMVs of ``kimi_hybrid.kernels.moe_decode`` where ``load_kernel`` finds them;
+* ``"kimi_hybrid_grouped_mm"``: pairs sorted by expert, two grouped GEMMs on CUDA where transformers'
+  ``_can_use_grouped_mm`` and the GEMM's dtype / width rules allow (:func:`grouped_mm_applies`), batched products
+  gathered per row while a CUDA graph is captured, or a loop over the experts that received tokens (CPU, fp32, odd
+  widths: the reference).
+
+Both are registered in transformers' ``ExpertsInterface`` (``experts_implementation="kimi_hybrid_gemv"`` picks one
+for a whole model); the default ``"eager"`` picks per call by the number of pairs.
 
 Router and expert math follow DeepSeek-V3 / Kimi-Linear (arXiv 2510.26692); K3's latent MoE and SiTU-GLU follow
 Kimi K3 (arXiv 2607.24653).
@@ -16,7 +20,6 @@ Kimi K3 (arXiv 2607.24653).
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Optional
 
@@ -26,32 +29,20 @@ import torch.nn.functional as F
 
 from .configuration_kimi_hybrid import KimiHybridConfig
 
-try:  # transformers' switch between expert implementations ("eager" = this file's paths, "batched_mm", "grouped_mm")
-    from transformers.integrations.moe import use_experts_implementation
-except ImportError:  # pragma: no cover - every transformers of the supported window has it
-    def use_experts_implementation(cls=None, **kwargs):  # noqa: D103
-        return cls if cls is not None else (lambda c: c)
+from transformers.integrations.moe import (
+    ExpertsInterface,
+    _can_use_grouped_mm,
+    use_experts_implementation,
+)
+
 from .kda_kimi_hybrid import _compiling
+from .kernels_kimi_hybrid import load_kernel
 from .norms_kimi_hybrid import KimiRMSNorm
 
-# Our Triton expert GEMVs are used by the installed package only: a Hub copy of this file (loaded by transformers as
-# remote code) stays self-contained and never imports kimi_hybrid, even where it is installed. (A try block, not
-# only `if`: transformers' remote-code loader requires every import outside try blocks to be installed; CPU-only
-# installs have no triton.)
-moe_decode_gemv = None
-_MOE_TRITON = False
-if __name__.startswith("kimi_hybrid."):
-    try:
-        from kimi_hybrid.kernels.moe_gemv import moe_decode_gemv
-
-        _MOE_TRITON = True
-    except Exception:  # noqa: BLE001
-        pass
-
-__all__ = ["KimiMLP", "KimiRouter", "KimiExperts", "KimiMoE", "glu_act", "MOE_GEMV_MAX_PAIRS"]
+__all__ = ["KimiMLP", "KimiRouter", "KimiExperts", "KimiMoE", "glu_act", "MOE_GEMV_MAX_PAIRS", "grouped_mm_applies",
+           "gemv_experts_forward", "grouped_experts_forward", "EXPERTS_FUNCTIONS", "route_topk"]
 
 MOE_GEMV_MAX_PAIRS = 32  # token-expert pairs; above this the grouped GEMM reads each hit expert once instead
-_MOE_TRITON_ENABLED = os.environ.get("KIMI_HYBRID_DISABLE_MOE_GEMV", "0") != "1"
 
 
 def glu_act(config, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -86,11 +77,16 @@ class KimiMLP(nn.Module):
 # expert device paths: which one applies, and the grouped / looped expert MLP
 # ----------------------------------------------------------------------------------------------------------------
 
-def _moe_gemv_applies(config, x, gate_up, down, pairs) -> bool:
-    return (_MOE_TRITON and _MOE_TRITON_ENABLED and x.is_cuda and pairs <= MOE_GEMV_MAX_PAIRS
-            and config.hidden_act == "silu" and not (torch.is_grad_enabled() and
-                                                     (gate_up.requires_grad or down.requires_grad or x.requires_grad))
-            and gate_up.is_contiguous() and down.is_contiguous())
+def _gemv_kernel(config, x, gate_up, down, pairs):
+    """The Triton expert GEMV (``moe_decode_gemv``) where it serves this call, else None: CUDA, at most
+    ``MOE_GEMV_MAX_PAIRS`` pairs, SiLU-GLU, no autograd, contiguous weights, and the kernel present."""
+    if not (x.is_cuda and pairs <= MOE_GEMV_MAX_PAIRS and config.hidden_act == "silu"
+            and gate_up.is_contiguous() and down.is_contiguous()):
+        return None
+    if torch.is_grad_enabled() and (gate_up.requires_grad or down.requires_grad or x.requires_grad):
+        return None
+    ops = load_kernel("moe_decode")
+    return None if ops is None else ops.moe_decode_gemv
 
 
 def _grouped_gemm_fn():
@@ -98,31 +94,19 @@ def _grouped_gemm_fn():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _grouped_mm_ok(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the CUDA grouped GEMM applies: bf16 operands (the dtype its CUTLASS kernels serve on every torch
-    of our window), every row stride a multiple of 16 bytes (D and F multiples of 8) and 16-byte aligned bases,
-    compute capability >= 8.0 (9.0 for torch < 2.9)."""
-    if not (xs.is_cuda and xs.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
-            and down.dtype == torch.bfloat16):
+def grouped_mm_applies(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor) -> bool:
+    """Whether the CUDA grouped GEMM serves ``xs [M, D]`` against ``gate_up [E, 2F, D]`` / ``down [E, D, F]``:
+    transformers' ``_can_use_grouped_mm`` (torch build, compute capability, compile rules) and the GEMM's own
+    rules: bf16 operands (the dtype its CUDA kernels serve on every torch of our window), D and F multiples of 8
+    (16-byte row strides), unit inner strides and 16-byte aligned bases."""
+    if not (xs.is_cuda and xs.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
         return False
-    D, F_ = down.shape[1], down.shape[2]
-    if D % 8 or F_ % 8:
+    if down.shape[1] % 8 or down.shape[2] % 8 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
         return False
     # (data_ptr is opaque to torch.compile; traced tensors come from the caching allocator, 512-byte aligned)
     if not _compiling() and any(t.data_ptr() % 16 for t in (xs, gate_up, down)):
         return False
-    if not (gate_up.stride(-1) == 1 and down.stride(-1) == 1):
-        return False
-    major, minor = torch.cuda.get_device_capability(xs.device)
-    return (major, minor) >= (8, 0) if hasattr(F, "grouped_mm") or _torch_at_least(2, 9) else major == 9
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    v = torch.__version__.split("+")[0].split(".")
-    try:
-        return (int(v[0]), int(v[1])) >= (major, minor)
-    except ValueError:  # pragma: no cover
-        return True
+    return _can_use_grouped_mm(xs, gate_up, offs)
 
 
 def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
@@ -142,8 +126,8 @@ def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
     can be CUDA-graph captured. Elsewhere (CPU, fp32, odd widths) a loop over the experts that received tokens only.
     """
     gm = _grouped_gemm_fn()
-    if gm is not None and xs.shape[0] > 0 and _grouped_mm_ok(xs, gate_up, down):
-        offs = counts.cumsum(0).to(torch.int32)
+    offs = counts.cumsum(0).to(torch.int32)
+    if gm is not None and xs.shape[0] > 0 and grouped_mm_applies(xs, gate_up, down, offs):
         h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
         h = glu_act(config, h[:, :F_], h[:, F_:])
         return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
@@ -250,37 +234,55 @@ class KimiRouter(nn.Module):
         return logits, w, idx
 
     def route(self, logits: torch.Tensor):
-        """The routing decision from ``logits [N, E]`` (fp32): ``(topk_weights [N, k] fp32, topk_idx [N, k])``."""
+        """The routing decision from ``logits [N, E]`` (fp32): ``(topk_weights [N, k] fp32, topk_idx [N, k])``. On
+        CUDA without autograd (outside ``torch.compile``) one Triton launch (``kimi_hybrid.kernels.moe_decode``)
+        where ``load_kernel`` finds it, else :func:`route_topk`."""
         c = self.config
-        scores = logits.sigmoid() if c.moe_router_activation_func == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float()
-        G = c.num_expert_group if c.use_grouped_topk else 1
-        if G > 1:
-            grouped = choice.view(-1, G, self.num_experts // G)
-            top = min(2, grouped.shape[-1])
-            group_scores = grouped.topk(top, dim=-1).values.sum(-1)
-            keep = group_scores.topk(c.topk_group, dim=-1).indices
-            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask.repeat_interleave(self.num_experts // G, dim=1), float("-inf"))
-        idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.top_k > 1 and c.moe_renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * c.routed_scaling_factor, idx
+        kw = dict(top_k=self.top_k, num_groups=c.num_expert_group if c.use_grouped_topk else 1,
+                  topk_group=c.topk_group, sigmoid=c.moe_router_activation_func == "sigmoid",
+                  renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor)
+        bias = self.e_score_correction_bias
+        kernel = load_kernel("moe_decode") if logits.is_cuda and not _compiling() else None
+        if kernel is not None and not torch.is_grad_enabled() and kernel.route_topk_supports(logits, **kw):
+            return kernel.route_topk_triton(logits, bias, **kw)
+        return route_topk(logits, bias, **kw)
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, num_groups: int, topk_group: int,
+               sigmoid: bool, renormalize: bool, scaling: float):
+    """DeepSeek-V3 / Kimi routing: ``logits [N, E]`` fp32 -> ``(topk_weights [N, k] fp32, topk_idx [N, k] int64)``.
+
+    Scores ``sigmoid(logits)`` (or softmax); the choice adds ``bias [E]`` (``e_score_correction_bias``); with
+    ``num_groups`` G > 1 only the ``topk_group`` groups with the largest sum of their top-2 choice scores compete;
+    the weights are the unbiased scores of the chosen experts (in descending choice order), divided by their sum
+    (+1e-20) if ``renormalize`` and k > 1, times ``scaling``."""
+    E = logits.shape[-1]
+    scores = logits.sigmoid() if sigmoid else logits.softmax(-1)
+    choice = scores + bias.float()
+    if num_groups > 1:
+        grouped = choice.view(-1, num_groups, E // num_groups)
+        top = min(2, grouped.shape[-1])
+        group_scores = grouped.topk(top, dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~gmask.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+    idx = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if top_k > 1 and renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, idx
 
 
 @use_experts_implementation
 class KimiExperts(nn.Module):
     """Routed experts stored fused: ``gate_up_proj [E, 2F, D_e]`` (rows [:F] = w1 gate, [F:] = w3 up) and
-    ``down_proj [E, D_e, F]`` (w2). Token-expert pairs are sorted by expert and each expert that received tokens
-    runs one GEMM on its contiguous slice (a grouped GEMM on CUDA when ``torch._grouped_mm`` is available); the
-    combine multiplies by the routing weight and sums in fp32, as the official code does.
+    ``down_proj [E, D_e, F]`` (w2). Input ``x [N, D_e]``, ``topk_idx / topk_w [N, k]``; output ``[N, D_e]`` in
+    x.dtype.
 
-    Input ``x [N, D_e]``, ``topk_idx / topk_w [N, k]``; output ``[N, D_e]`` in x.dtype.
-
-    ``config.experts_implementation`` (transformers' switch) picks this forward (``"eager"``, the default: the
-    device paths of this file) or transformers' ``"batched_mm"`` / ``"grouped_mm"`` over the same weights
-    (:meth:`_apply_gate` gives them this model's GLU).
+    ``config.experts_implementation`` (transformers' switch) picks the forward from transformers'
+    ``ExpertsInterface``: ``"eager"`` (the default: this model's per-call choice), ``"kimi_hybrid_gemv"`` /
+    ``"kimi_hybrid_grouped_mm"`` (this file's two implementations), or transformers' ``"batched_mm"`` /
+    ``"grouped_mm"`` over the same weights (:meth:`_apply_gate` gives them this model's GLU).
     """
 
     def __init__(self, config: KimiHybridConfig, in_dim: int):
@@ -299,34 +301,64 @@ class KimiExperts(nn.Module):
         return glu_act(self.config, gate_up_out[..., :F_], gate_up_out[..., F_:])
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        N, k = topk_idx.shape
-        gate_up = self.gate_up_proj  # read once: PEFT target_parameters returns the adapted tensor here
-        down = self.down_proj
-        # the widths come from the weights, not the config: tensor parallelism leaves each rank gate_up [E, 2F/tp, D]
-        # (its slice of the gate rows, then of the up rows) and down [E, D, F/tp]; expert parallelism leaves it
-        # E / ep experts (``num_experts`` is then the local count)
-        F_ = gate_up.shape[1] // 2
-        if getattr(self, "_is_expert_parallel", False):
-            # routes to another rank's experts arrive as id ``num_experts`` with weight 0 (transformers' EP
-            # sentinel): run them on a local expert and drop them through the zero weight
-            off_rank = topk_idx >= self.num_experts
-            topk_idx = topk_idx.masked_fill(off_rank, 0)
-            topk_w = topk_w.masked_fill(off_rank, 0.0)
-        if _moe_gemv_applies(self.config, x, gate_up, down, N * k):
-            return moe_decode_gemv(x, topk_idx, topk_w, gate_up, down)
-        flat = topk_idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        token_of = order // k
-        xs = x[token_of]
-        # scatter_add, not bincount: bincount synchronises with the host on CUDA (it reads max()), which would
-        # break CUDA-graph capture of a decode step
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        ys = _grouped_expert_mlp(self.config, xs, gate_up, down, counts, F_)
-        ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
-        out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token_of, ys)
-        return out.to(x.dtype)
+        """``"eager"``: this model's choice per call, the expert GEMVs for decode-sized calls (at most
+        ``MOE_GEMV_MAX_PAIRS`` token-expert pairs), the grouped path otherwise."""
+        impl = "kimi_hybrid_gemv" if topk_idx.numel() <= MOE_GEMV_MAX_PAIRS else "kimi_hybrid_grouped_mm"
+        return EXPERTS_FUNCTIONS[impl](self, x, topk_idx, topk_w)
+
+    def local_routes(self, topk_idx: torch.Tensor, topk_w: torch.Tensor):
+        """``(topk_idx, topk_w)`` with the routes to another rank's experts (transformers' expert-parallel sentinel
+        id ``num_experts``, weight 0) sent to local expert 0 with weight 0, so every id indexes this rank's
+        weights; unchanged without expert parallelism."""
+        if not getattr(self, "_is_expert_parallel", False):
+            return topk_idx, topk_w
+        off_rank = topk_idx >= self.num_experts
+        return topk_idx.masked_fill(off_rank, 0), topk_w.masked_fill(off_rank, 0.0)
+
+
+def grouped_experts_forward(experts: KimiExperts, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_w: torch.Tensor) -> torch.Tensor:
+    """Routed experts with pairs sorted by expert (``"kimi_hybrid_grouped_mm"``): ``x [N, D]``, ``topk_idx`` /
+    ``topk_w [N, k]`` -> ``[N, D]`` in x.dtype. Two grouped GEMMs on CUDA, the expert loop elsewhere
+    (:func:`_grouped_expert_mlp`); the routing weight and the sum over the k choices in fp32, as the official code
+    does. No host synchronisation on CUDA."""
+    N, k = topk_idx.shape
+    topk_idx, topk_w = experts.local_routes(topk_idx, topk_w)
+    gate_up, down = experts.gate_up_proj, experts.down_proj  # read once: PEFT target_parameters adapts them here
+    # the widths come from the weights, not the config: tensor parallelism leaves each rank gate_up [E, 2F/tp, D]
+    # (its slice of the gate rows, then of the up rows) and down [E, D, F/tp]
+    F_ = gate_up.shape[1] // 2
+    flat = topk_idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    token_of = order // k
+    xs = x[token_of]
+    # scatter_add, not bincount: bincount synchronises with the host on CUDA (it reads max()), which would break
+    # CUDA-graph capture of a decode step
+    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    ys = _grouped_expert_mlp(experts.config, xs, gate_up, down, counts, F_)
+    ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
+    out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, ys)
+    return out.to(x.dtype)
+
+
+def gemv_experts_forward(experts: KimiExperts, x: torch.Tensor, topk_idx: torch.Tensor,
+                         topk_w: torch.Tensor) -> torch.Tensor:
+    """Routed experts as Triton expert GEMVs reading each chosen expert in place (``"kimi_hybrid_gemv"``), where
+    they serve the call (see :func:`_gemv_kernel`); :func:`grouped_experts_forward` otherwise. Same contract."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    kernel = _gemv_kernel(experts.config, x, gate_up, down, topk_idx.numel())
+    if kernel is None:
+        return grouped_experts_forward(experts, x, topk_idx, topk_w)
+    topk_idx, topk_w = experts.local_routes(topk_idx, topk_w)
+    return kernel(x, topk_idx, topk_w, gate_up, down)
+
+
+# this model's expert implementations, also registered in transformers' registry (``experts_implementation=...``)
+EXPERTS_FUNCTIONS = {"kimi_hybrid_gemv": gemv_experts_forward, "kimi_hybrid_grouped_mm": grouped_experts_forward}
+for _name, _fn in EXPERTS_FUNCTIONS.items():
+    ExpertsInterface.register(_name, _fn)
 
 
 class KimiMoE(nn.Module):

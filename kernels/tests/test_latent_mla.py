@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid import modeling_kimi_hybrid as mk
 from kimi_hybrid import moe_kimi_hybrid as moe
 from presets import preset_config
@@ -95,6 +95,24 @@ def test_expert_fallback_vs_reference():
                 h = ex.gate_up_proj[idx[t, j]] @ x[t]
                 ref[t] += w[t, j] * (ex.down_proj[idx[t, j]] @ (torch.nn.functional.silu(h[:F_]) * h[F_:]))
     assert (y - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["kimi_hybrid_grouped_mm", "kimi_hybrid_gemv"])
+def test_expert_implementations_are_registered_with_transformers(impl):
+    """Our expert implementations are chosen through transformers' ``experts_implementation`` switch (registered in
+    ``ExpertsInterface``) and give the default's logits (on CPU both run the expert loop)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    assert ALL_EXPERTS_FUNCTIONS[impl] is moe.EXPERTS_FUNCTIONS[impl]
+    cfg = preset_config("tiny-kda-first")
+    torch.manual_seed(0)
+    ref = KimiHybridForCausalLM(cfg).eval()
+    torch.manual_seed(0)
+    got = KimiHybridForCausalLM._from_config(cfg, experts_implementation=impl).eval()
+    assert got.config._experts_implementation == impl
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert (got(ids).logits - ref(ids).logits).abs().max().item() < 1e-5
 
 
 def test_static_cache_copy_and_prefill_to_static():

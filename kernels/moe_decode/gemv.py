@@ -1,23 +1,21 @@
 """Expert GEMVs for decode-sized MoE on CUDA (Triton): each chosen expert's weights are read in place.
 
-``moe_decode_gemv`` computes what the routed experts of ``KimiExperts`` compute (``kimi_hybrid.moe_kimi_hybrid``),
-for a few tokens: ``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))`` with ``e = idx[n, j]``. Its
-plain-PyTorch reference is that module's expert loop (``KimiExperts.forward`` on CPU, or with the GEMVs disabled);
-the tests compare the two: ``tests/test_triton_interpreter.py`` in Triton's interpreter on CPU,
-``kernels/tests/test_gpu_kernels.py::test_moe_decode_gemv_vs_reference`` on CUDA.
-
-The model bundle imports this module inside a ``try`` block: a Hub copy of the bundle without the kimi-hybrid
-package (or without triton) serves every device with the grouped GEMM / expert loop instead.
+``moe_decode_gemv`` computes ``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))`` with
+``e = idx[n, j]`` for a few tokens (the ``"kimi_hybrid_gemv"`` expert implementation of ``KimiExperts``). Reference:
+:func:`kimi_hybrid.kernels.moe_decode.naive.naive_moe_decode`. Tests: kernels/tests/test_moe_decode.py (CUDA),
+tests/test_triton_interpreter.py (Triton's interpreter on CPU).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_decode_gemv"]
-
+__all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_config", "moe_decode_gemv"]
 
 
 @triton.jit
@@ -71,8 +69,37 @@ def _moe_down_kernel(h_ptr, w_ptr, idx_ptr, wt_ptr, y_ptr, D: tl.constexpr, F: t
     tl.store(y_ptr + m * D + rows, acc * wt, mask=rmask)
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the two expert GEMV launches: ``gate_up_n`` / ``down_n`` output rows per program (the grid is
+    ``pairs x rows / n``: thousands of programs at batch 1), ``gate_up_k`` / ``down_k`` the reduction tile, and
+    the warps / pipeline stages of each program."""
+
+    gate_up_n: int = 16
+    gate_up_k: int = 256
+    down_n: int = 16
+    down_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# by the number of token-expert pairs (the first row whose bound is >= pairs): starting points chosen for
+# bandwidth (>= 1,000 programs at batch 1 on the 48B-A3B widths); `python -m kimi_hybrid.kernels.bench_kernels
+# --sections moe_gemv_sweep` measures the alternatives on the device
+GEMV_CONFIGS = (
+    (8, GemvConfig(gate_up_n=8, gate_up_k=512, down_n=16, down_k=512)),
+    (64, GemvConfig(gate_up_n=16, gate_up_k=256, down_n=16, down_k=512)),
+    (1 << 30, GemvConfig(gate_up_n=32, gate_up_k=256, down_n=32, down_k=256)),
+)
+
+
+def gemv_config(pairs: int) -> GemvConfig:
+    """The tile configuration for ``pairs`` token-expert pairs (:data:`GEMV_CONFIGS`)."""
+    return next(cfg for bound, cfg in GEMV_CONFIGS if pairs <= bound)
+
+
 def moe_decode_gemv(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, block_n: int = 32, block_k: int = 256) -> torch.Tensor:
+                    down: torch.Tensor, config: Optional[GemvConfig] = None) -> torch.Tensor:
     """Routed experts for a few tokens (decode) as expert GEMVs that read the chosen experts' weights in place: no
     sort, no gather of weights, no host synchronisation (CUDA-graph safe). Two Triton launches (gate/up + SiLU-GLU,
     then down times the routing weight), and a sum over the k choices in fp32 (the grouped path's combine).
@@ -80,25 +107,27 @@ def moe_decode_gemv(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tenso
     Args:
         x: ``[N, D]`` (bf16 / fp16 / fp32, CUDA). topk_idx: ``[N, k]`` int64 expert ids. topk_w: ``[N, k]`` routing
             weights (fp32). gate_up: ``[E, 2F, D]`` (rows [:F] w1, [F:] w3), down: ``[E, D, F]``, contiguous.
+        config: tiles (default :func:`gemv_config` of ``N * k``).
 
     Returns:
         ``[N, D]`` in x.dtype. The gate / up / down products are rounded to x.dtype where the grouped path rounds
-        them (SiLU-GLU on the rounded values), so both paths agree to accumulation order.
-
-    Why: at batch 1 the grouped GEMM over 256 experts took ~32 us per launch on an H200 for 8 experts' weights
-    (75 MB gate/up: ~16 us at 4.8 TB/s) plus a sort, a gather and an index_add around it.
+        them (SiLU-GLU on the rounded values), so both paths agree to accumulation order. Each row depends on its
+        own pairs only (batch-invariant).
     """
     N, k = topk_idx.shape
     E, F2, D = gate_up.shape
     F_ = F2 // 2
     M = N * k
+    cfg = config or gemv_config(M)
     idx = topk_idx.reshape(-1).contiguous()
     wt = topk_w.reshape(-1).float().contiguous()
     xc = x.contiguous()
     h = torch.empty(M, F_, dtype=x.dtype, device=x.device)
-    _moe_gate_up_glu_kernel[(M, triton.cdiv(F_, block_n))](xc, gate_up, idx, h, D=D, F=F_, K_TOP=k, BN=block_n,
-                                                            BD=block_k, num_warps=4)
+    _moe_gate_up_glu_kernel[(M, triton.cdiv(F_, cfg.gate_up_n))](
+        xc, gate_up, idx, h, D=D, F=F_, K_TOP=k, BN=cfg.gate_up_n, BD=cfg.gate_up_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     y = torch.empty(M, D, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(M, triton.cdiv(D, block_n))](h, down, idx, wt, y, D=D, F=F_, BN=block_n, BF=block_k,
-                                                    num_warps=4)
+    _moe_down_kernel[(M, triton.cdiv(D, cfg.down_n))](
+        h, down, idx, wt, y, D=D, F=F_, BN=cfg.down_n, BF=cfg.down_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y.view(N, k, D).sum(1).to(x.dtype)
