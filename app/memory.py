@@ -347,8 +347,10 @@ def _dtype_name(size: int) -> str:
 
 def require_matplotlib() -> None:
     """Raise PlanError (with the pip line) if matplotlib, which :func:`plot_plan` needs, is not installed."""
+    from importlib import import_module
+
     try:
-        import matplotlib  # noqa: F401
+        import_module("matplotlib")
     except ImportError:
         raise PlanError('the plot needs matplotlib: pip install -e ".[bench]" (or pip install matplotlib)') from None
 
