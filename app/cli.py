@@ -767,12 +767,30 @@ def cmd_export(args) -> int:
 
     check_export_out(args.out, resolve_model(args.model), args.overwrite)
     model, tokenizer = _load(args)
+    _check_exportable(model)
     try:
         folder = hub.prepare_hub_folder(model, tokenizer, args.out, repo_id=args.repo_id)
+    except KeyboardInterrupt:
+        print(f"\nkimi-hybrid: interrupted; {args.out} was left as it was (the export is written to a temporary "
+              "folder and moved into place only when complete)", file=sys.stderr)
+        return 130
     except OSError as e:
         raise SystemExit(f"kimi-hybrid: cannot write {args.out}: {_first_line(e)}") from None
     print(f"kimi-hybrid: wrote {folder}", file=sys.stderr)
     return 0
+
+
+def _check_exportable(model) -> None:
+    """SystemExit (one line) when the loaded model has no kimi-hybrid bundle next to its class (a folder's own
+    code of another model, run with --trust-remote-code): export and push ship that bundle."""
+    from kimi_hybrid.app import hub
+
+    try:
+        hub.bundle_files(model)
+    except FileNotFoundError as e:
+        raise SystemExit(f"kimi-hybrid: cannot export {type(model).__name__}: it is not a kimi-hybrid model with its "
+                         f"bundle code ({_first_line(e, 160)}); leave out --trust-remote-code to load the folder as "
+                         "KimiHybridForCausalLM") from None
 
 
 def _network_errors() -> Tuple[type, ...]:
@@ -795,6 +813,7 @@ def cmd_push(args) -> int:
     from kimi_hybrid.app import hub
 
     model, tokenizer = _load(args)
+    _check_exportable(model)
     try:
         url = hub.push(model, tokenizer, args.repo_id, private=args.private, token=args.token,
                        commit_message=args.commit_message)
@@ -963,6 +982,12 @@ def _join_negative_values(argv: List[str]) -> List[str]:
     return out
 
 
+def _preset_help() -> str:
+    from kimi_hybrid.conversion.config_io import PRESET_ALIASES, RELEASED_PRESETS
+
+    return f"{', '.join(RELEASED_PRESETS)} (aliases: {', '.join(PRESET_ALIASES)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kimi-hybrid", description="Generate and chat with KimiHybrid models (KDA + MLA + MoE), export them, "
@@ -1015,8 +1040,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--weights-dtype. The same model with every layer MLA and with plain MHA\n"
             "(num_attention_heads x (qk_head_dim + v_head_dim) per token and layer) are shown for comparison."))
     src = m.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None,
-                     help="kimi-linear-48b-a3b, kimi-linear-48b-a3b-instruct or kimi-k3 (k3)")
+    src.add_argument("--preset", default=None, help=_preset_help())
     src.add_argument("--config", default=None, help="a config.json (ours, released Kimi-Linear or K3)")
     src.add_argument("--model", default=None, help="a model folder (its config.json)")
     m.add_argument("--gpu-mem", default="141GB",

@@ -27,19 +27,19 @@ pass them as ``--reserve``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from kimi_hybrid.conversion.config_io import PRESET_ALIASES, RELEASED_PRESETS
+
 DTYPE_BYTES = {"float32": 4.0, "fp32": 4.0, "bfloat16": 2.0, "bf16": 2.0, "float16": 2.0, "fp16": 2.0,
                "float8": 1.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 4.25 / 8, "none": 0.0}
 CACHE_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-# the presets users plan for: the two shipped model presets, the shipped released config of the instruct model
-PRESET_NAMES = ("kimi-linear-48b-a3b", "kimi-linear-48b-a3b-instruct", "kimi-k3")
-PRESET_ALIASES = {"k3": "kimi-k3", "kimi-linear": "kimi-linear-48b-a3b", "48b": "kimi-linear-48b-a3b"}
+# the presets users plan for: the converter's list (``kimi-hybrid-convert inventory --preset`` takes the same names)
+PRESET_NAMES = tuple(RELEASED_PRESETS)
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9,
@@ -90,14 +90,14 @@ def load_config(preset: Optional[str] = None, config: Optional[str] = None, mode
         raise PlanError("give exactly one of --preset NAME, --config CONFIG.json, --model FOLDER "
                         f"(presets: {', '.join(PRESET_NAMES)})")
     if preset:
-        name = PRESET_ALIASES.get(preset.lower(), preset.lower())
-        from kimi_hybrid.conversion.config_io import RELEASED_PRESETS
+        from kimi_hybrid.conversion.config_io import ConfigError, preset_name
 
-        name = RELEASED_PRESETS.get(name, name)  # the Instruct checkpoint has the Base architecture
-        if name not in PRESET_NAMES:
-            raise PlanError(f"unknown preset {preset!r}; the presets are {', '.join(PRESET_NAMES)} (or pass "
-                            "--config CONFIG.json / --model FOLDER)")
-        return KimiHybridConfig.from_preset(name)
+        try:
+            name = preset_name(preset)
+        except ConfigError:
+            raise PlanError(f"unknown preset {preset!r}; the presets are {', '.join(PRESET_NAMES)} (aliases: "
+                            f"{', '.join(PRESET_ALIASES)}; or pass --config CONFIG.json / --model FOLDER)") from None
+        return KimiHybridConfig.from_preset(RELEASED_PRESETS[name])
     if model:
         folder = Path(model).expanduser()
         if not (folder / "config.json").is_file():
@@ -113,19 +113,19 @@ def load_config(preset: Optional[str] = None, config: Optional[str] = None, mode
 
 
 def _config_from_file(path: Path):
-    from kimi_hybrid import KimiHybridConfig
+    """A ``KimiHybridConfig`` from a config.json, checked by the converter's reader (``kimi-hybrid-convert inventory
+    --config`` refuses the same files): the format from ``model_type`` (ours, released or native Kimi-Linear, K3),
+    then the model's config class. Raises PlanError naming the file and the reason."""
+    from kimi_hybrid.conversion import config_io
+    from kimi_hybrid.conversion.model_glue import to_model_config
 
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        raw = config_io.load_json(str(path))
+    except (OSError, config_io.ConfigError) as e:
         raise PlanError(f"{path} is not a readable JSON config ({e})") from None
-    if not isinstance(raw, dict):
-        raise PlanError(f"{path} does not hold a JSON object")
     try:
-        if raw.get("model_type") in ("kimi_linear", "kimi_k3") or "text_config" in raw:
-            return KimiHybridConfig.from_released_dict(raw)
-        return KimiHybridConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
-    except (TypeError, ValueError, KeyError) as e:
+        return to_model_config(config_io.to_ours(raw, config_io.detect_format(raw)))
+    except (config_io.ConfigError, TypeError, ValueError, KeyError) as e:
         raise PlanError(f"{path} is not a KimiHybrid / Kimi-Linear / K3 config: {e}") from None
 
 
