@@ -346,6 +346,8 @@ def _strict_loading_error(model: str, e: ValueError) -> SystemExit:
     """The model's strict-loading ValueError as the CLI's one line: the tensors it names, and what a CLI user can
     do (the library's advice to pass ``strict_loading=False`` is not an option of the CLI)."""
     what = _first_line(e, 100_000).split(". A K3")[0].split("; pass strict_loading")[0]
+    named = re.match(r"checkpoint .*? does not match \w+: (.*)", what)  # the folder is named by our line already
+    what = named.group(1) if named else what
     if len(what) > 300:
         what = what[:297] + "..."
     return SystemExit(f"kimi-hybrid: the weights in {model} do not match its config: {what}; {STRICT_LOADING_HINT}")

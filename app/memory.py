@@ -311,7 +311,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{_dtype_name(c.cache_dtype_bytes)} (KDA recurrent state fp32)",
         f"weights: {plan.parameters:,} parameters x {plan.weights_dtype} = {human(plan.weights_bytes)}",
         f"GPU {human(plan.gpu_bytes)} - weights {human(plan.weights_bytes)} - reserve {human(plan.reserve_bytes)} "
-        f"= {human(plan.budget)} for the cache",
+        + (f"= {human(plan.budget)} for the cache" if plan.budget > 0 else
+           f"leaves nothing for the cache ({human(-plan.budget)} short)"),
         "",
         "cache per sequence (KimiHybridCache, dynamic; equals memory_report()):",
         f"  KDA fixed part    {c.kda_state + c.kda_conv:>16,} B  ({c.n_kda} layers: fp32 state {c.kda_state:,} B "
