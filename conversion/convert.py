@@ -664,6 +664,7 @@ def convert_checkpoint(
             extra = write_our_config(tmp, ours_cfg, with_bundle)
         else:
             rel = config_io.ours_config_to_released(ours_cfg, template)
+            rel.pop("auto_map", None)  # names code this folder does not ship; its consumers read model_type
             config_io.write_json(os.path.join(tmp, "config.json"), rel)
             extra = ["config.json"]
         side = copy_side_files(src_dir, tmp)
