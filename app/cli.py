@@ -46,6 +46,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from kimi_hybrid.app.memory import format_memory_report  # the table users get too (print_memory_report)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the source tree (editable install): models/ lives there
 EMBEDDED_MODEL_NAME = "kimi-hybrid-stdlib"
 ENV_DEFAULT_MODEL = "KIMI_HYBRID_DEFAULT_MODEL"
@@ -394,44 +396,6 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
         raise _strict_loading_error(model, e) from None
     lm.to(device).eval()
     return lm, tokenizer
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# memory report
-# ---------------------------------------------------------------------------------------------------------------
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def format_memory_report(report: Dict[str, Any]) -> str:
-    """A small table of ``KimiHybridCache.memory_report()``: bytes per layer type, the total, and the formula parts
-    (constant KDA state, MLA bytes per token)."""
-    per_layer: List[Tuple[str, int]] = list(report.get("per_layer", []))
-    n_kda = sum(t == "linear_attention" for t, _ in per_layer)
-    n_mla = sum(t == "full_attention" for t, _ in per_layer)
-    rows = [
-        ("KDA conv + fp32 state", str(n_kda), report["kda_bytes"], "constant"),
-        ("MLA latent", str(n_mla), report["mla_bytes"], f"{report['mla_bytes_per_token']} B/token"),
-        ("key-padding mask", "-", report["mask_bytes"], "1 B/token"),
-    ]
-    if report.get("hidden_bytes"):
-        rows.append(("last hidden state", "-", report["hidden_bytes"], "1 per row"))
-    if report.get("rollback_bytes"):
-        rows.append(("rollback records", "-", report["rollback_bytes"], "assisted decoding"))
-    rows.append(("total", str(n_kda + n_mla), report["total_bytes"], ""))
-    head = (f"cache memory (KimiHybridCache.memory_report): {report['seen_tokens']} tokens, "
-            f"batch {report['batch_size']}")
-    w0 = max(len(r[0]) for r in rows + [("layer type", "", 0, "")])
-    lines = [head, f"  {'layer type':<{w0}}  {'layers':>6}  {'bytes':>12}  {'human':>10}  note",
-             f"  {'-' * w0}  {'-' * 6}  {'-' * 12}  {'-' * 10}  {'-' * 16}"]
-    for name, layers, nbytes, note in rows:
-        lines.append(f"  {name:<{w0}}  {layers:>6}  {nbytes:>12,}  {_human(nbytes):>10}  {note}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------

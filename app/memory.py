@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kimi_hybrid.conversion.config_io import PRESET_ALIASES, RELEASED_PRESETS
 
@@ -73,6 +73,54 @@ def dtype_bytes(name: str, what: str) -> float:
     if key not in allowed:
         raise PlanError(f"unknown {what} {name!r}; use one of {', '.join(allowed)}")
     return DTYPE_BYTES[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the table of one cache's memory_report()
+# ---------------------------------------------------------------------------------------------------------------
+
+def _binary_human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_memory_report(report: Dict[str, Any]) -> str:
+    """A small table of ``KimiHybridCache.memory_report()`` (the dict it returns): bytes per layer type, the
+    total, and the formula parts (constant KDA state, MLA bytes per token); the table ``kimi-hybrid generate``
+    prints."""
+    per_layer: List[Tuple[str, int]] = list(report.get("per_layer", []))
+    n_kda = sum(t == "linear_attention" for t, _ in per_layer)
+    n_mla = sum(t == "full_attention" for t, _ in per_layer)
+    rows = [
+        ("KDA conv + fp32 state", str(n_kda), report["kda_bytes"], "constant"),
+        ("MLA latent", str(n_mla), report["mla_bytes"], f"{report['mla_bytes_per_token']} B/token"),
+        ("key-padding mask", "-", report["mask_bytes"], "1 B/token"),
+    ]
+    if report.get("hidden_bytes"):
+        rows.append(("last hidden state", "-", report["hidden_bytes"], "1 per row"))
+    if report.get("rollback_bytes"):
+        rows.append(("rollback records", "-", report["rollback_bytes"], "assisted decoding"))
+    rows.append(("total", str(n_kda + n_mla), report["total_bytes"], ""))
+    head = (f"cache memory (KimiHybridCache.memory_report): {report['seen_tokens']} tokens, "
+            f"batch {report['batch_size']}")
+    w0 = max(len(r[0]) for r in rows + [("layer type", "", 0, "")])
+    lines = [head, f"  {'layer type':<{w0}}  {'layers':>6}  {'bytes':>12}  {'human':>10}  note",
+             f"  {'-' * w0}  {'-' * 6}  {'-' * 12}  {'-' * 10}  {'-' * 16}"]
+    for name, layers, nbytes, note in rows:
+        lines.append(f"  {name:<{w0}}  {layers:>6}  {nbytes:>12,}  {_binary_human(nbytes):>10}  {note}")
+    return "\n".join(lines)
+
+
+def print_memory_report(cache_or_report, file=None) -> None:
+    """Print :func:`format_memory_report` of a ``KimiHybridCache`` (its ``memory_report()``) or of such a report
+    dict, e.g. ``print_memory_report(cache)`` after ``model.generate(..., cache=cache)``."""
+    import sys
+
+    report = cache_or_report.memory_report() if hasattr(cache_or_report, "memory_report") else cache_or_report
+    print(format_memory_report(report), file=file or sys.stdout)
 
 
 # ---------------------------------------------------------------------------------------------------------------
