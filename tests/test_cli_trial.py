@@ -307,3 +307,19 @@ def test_ctrl_d_in_chat_ends_on_a_new_line(released):
         os.close(master)
     assert p.returncode == 0, err
     assert err.decode().endswith("you> \n"), err[-300:]
+
+
+def test_users_get_the_clis_memory_table(released, capsys):
+    """``print_memory_report(cache)`` prints the table ``kimi-hybrid generate`` prints (one formatter for both)."""
+    from kimi_hybrid import KimiHybridCache
+    from kimi_hybrid.app.memory import format_memory_report, print_memory_report
+
+    model = KimiHybridForCausalLM.from_pretrained(str(released), dtype=torch.float32).eval()
+    cache = KimiHybridCache(model.config)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, cache=cache)
+    print_memory_report(cache)
+    out = capsys.readouterr().out
+    assert out == format_memory_report(cache.memory_report()) + "\n"
+    assert out.startswith("cache memory (KimiHybridCache.memory_report): 7 tokens, batch 1")  # the last new token is not fed back
+    assert cli.format_memory_report is format_memory_report
