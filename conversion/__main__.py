@@ -70,7 +70,8 @@ def _check_source_format(src: str, requested: str) -> None:
     found = config_io.detect_format(raw)
     if found != requested:
         raise ConfigError(f"--from {requested}: {src} holds a {found!r} checkpoint (config.json model_type "
-                          f"{raw.get('model_type')!r}); leave out --from (the format is detected) or pass --from {found}")
+                          f"{raw.get('model_type')!r}); leave out --from (the format is detected) or pass "
+                          f"--from {found}")
 
 
 def main(argv: list[str] | None = None) -> int:

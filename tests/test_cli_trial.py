@@ -37,7 +37,8 @@ def released(tmp_path_factory, tokenizer) -> Path:
     """A tiny released-format Kimi-Linear folder (model_type kimi_linear, released tensor names, an auto_map to
     code it does not ship, as the Hub copies' config.json has), with the stdlib tokenizer."""
     cfg = tiny_released_config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               dtype="float32")
     folder = tmp_path_factory.mktemp("released") / "Kimi-Linear-tiny"
     folder.mkdir()
     tensors = {k: v.float() for k, v in released_tensors(cfg).items()}
@@ -321,5 +322,6 @@ def test_users_get_the_clis_memory_table(released, capsys):
     print_memory_report(cache)
     out = capsys.readouterr().out
     assert out == format_memory_report(cache.memory_report()) + "\n"
-    assert out.startswith("cache memory (KimiHybridCache.memory_report): 7 tokens, batch 1")  # the last new token is not fed back
+    # 5 prompt tokens + 2 of the 3 new ones (the last is not fed back)
+    assert out.startswith("cache memory (KimiHybridCache.memory_report): 7 tokens, batch 1")
     assert cli.format_memory_report is format_memory_report
