@@ -27,8 +27,10 @@ prompt) end with a one-line ``kimi-hybrid: ...`` message and exit status 1
 
 The default model is the embedded one, ``models/kimi-hybrid-stdlib`` next to the sources (a ~14M-parameter 3:1
 KDA:MLA MoE model trained on the CPython standard library: it writes Python-like text, it is not an assistant).
-``--model PATH_OR_REPO`` loads any checkpoint in our layout (a folder or a Hub repo id); ``--trust-remote-code``
-lets a Hub folder's own bundle code be used instead of the installed package.
+``--model PATH_OR_REPO`` loads any checkpoint in our layout or a released Kimi-Linear one (a folder or a Hub repo
+id), always as :class:`KimiHybridForCausalLM` (transformers' Auto classes would map ``kimi_linear`` to their own
+class); ``--trust-remote-code`` runs the classes the folder's own ``auto_map`` names instead (one stderr line says
+which). Stdout closed by its reader (``| head``) ends quietly with status 141; Ctrl-C with one line and 130.
 
 After each generation the cache memory of :class:`KimiHybridCache` (``cache.memory_report()``) is printed as a
 table: KDA layers hold a constant conv window + fp32 state, MLA layers a latent that grows per token.
