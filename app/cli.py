@@ -27,8 +27,10 @@ prompt) end with a one-line ``kimi-hybrid: ...`` message and exit status 1
 
 The default model is the embedded one, ``models/kimi-hybrid-stdlib`` next to the sources (a ~14M-parameter 3:1
 KDA:MLA MoE model trained on the CPython standard library: it writes Python-like text, it is not an assistant).
-``--model PATH_OR_REPO`` loads any checkpoint in our layout (a folder or a Hub repo id); ``--trust-remote-code``
-lets a Hub folder's own bundle code be used instead of the installed package.
+``--model PATH_OR_REPO`` loads any checkpoint in our layout or a released Kimi-Linear one (a folder or a Hub repo
+id), always as :class:`KimiHybridForCausalLM` (transformers' Auto classes would map ``kimi_linear`` to their own
+class); ``--trust-remote-code`` runs the classes the folder's own ``auto_map`` names instead (one stderr line says
+which). Stdout closed by its reader (``| head``) ends quietly with status 141; Ctrl-C with one line and 130.
 
 After each generation the cache memory of :class:`KimiHybridCache` (``cache.memory_report()``) is printed as a
 table: KDA layers hold a constant conv window + fp32 state, MLA layers a latent that grows per token.
@@ -45,6 +47,8 @@ import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+from kimi_hybrid.app.memory import format_memory_report  # the table users get too (print_memory_report)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the source tree (editable install): models/ lives there
 EMBEDDED_MODEL_NAME = "kimi-hybrid-stdlib"
@@ -169,14 +173,19 @@ def pick_dtype(name: str, device: str, model: Optional[str] = None):
         raise SystemExit(f"kimi-hybrid: unknown --dtype {name!r}; use one of {DTYPE_CHOICES}") from None
 
 
-def _read_tokenizer_class(model: str) -> Optional[str]:
+def _read_tokenizer_config(model: str) -> Dict[str, Any]:
     cfg = Path(model) / "tokenizer_config.json"
     if cfg.is_file():
         try:
-            return json.loads(cfg.read_text(encoding="utf-8")).get("tokenizer_class")
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+            return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
-            return None
-    return None
+            return {}
+    return {}
+
+
+# tokenizer classes of the tiktoken.model folders our tokenizer reads: ours and the released Kimi remote code's
+OUR_TOKENIZER_CLASSES = ("KimiHybridTokenizer", "TikTokenTokenizer")
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
@@ -193,29 +202,105 @@ def _hub_unreachable(model: str, e: BaseException) -> SystemExit:
                       "check the repo id and the network (or HF_HUB_OFFLINE), or pass a local folder")
 
 
-def load_config(model: str, trust_remote_code: bool = False):
-    """The model's config (``AutoConfig``). Raises SystemExit with ``invalid model config in <path>: <reason>`` when
-    config.json is not valid JSON or the config class rejects it (its ValueError names the field, e.g.
-    ``layer_types has 5 entries but num_hidden_layers is 8``), and with ``cannot load <id> from the Hugging Face
-    Hub`` when a repo id cannot be fetched (no network, no such repo: huggingface_hub / transformers raise
-    OSError)."""
-    from transformers import AutoConfig
+def check_hub_reachable(model: str) -> None:
+    """For a Hub repo id whose config.json is not in the local cache: one HEAD request for it, without retries
+    (huggingface_hub retries a download of an uncached file 5 times with backoff, ~30-50 s, when the Hub cannot be
+    reached). Raises SystemExit with one line when it fails (no network, an unroutable ``HF_ENDPOINT``, no such
+    repo). Does nothing for local folders, cached files and with ``HF_HUB_OFFLINE`` (transformers then reads the
+    cache only and fails at once)."""
+    if not _is_hub_id(model):
+        return
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except _network_errors() as e:
+        raise _hub_unreachable(model, e) from None
+
+
+def _config_dict(model: str) -> Dict[str, Any]:
+    """config.json of a folder or Hub repo as a dict. Raises SystemExit (one line) when it is missing, not JSON
+    or cannot be fetched."""
+    from transformers import PretrainedConfig
 
     cfg_file = Path(model) / "config.json"
     if cfg_file.is_file():
         try:
-            json.loads(cfg_file.read_text(encoding="utf-8"))
+            raw = json.loads(cfg_file.read_text(encoding="utf-8"))
         except ValueError as e:
             raise SystemExit(f"kimi-hybrid: invalid model config in {model}: config.json is not valid JSON ({e})") \
                 from None
+        if not isinstance(raw, dict):
+            raise SystemExit(f"kimi-hybrid: invalid model config in {model}: config.json does not hold a JSON object")
+        return raw
     try:
-        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        return PretrainedConfig.get_config_dict(model)[0]
+    except OSError as e:
+        if _is_hub_id(model):
+            raise _hub_unreachable(model, e) from None
+        raise SystemExit(f"kimi-hybrid: cannot read the config of {model}: {_first_line(e)}") from None
+
+
+def _refuse_unloadable(model: str, raw: Dict[str, Any]) -> None:
+    """SystemExit (one line) for a config.json that is not a Kimi checkpoint, or one whose weights the model cannot
+    read as they are (K3, quantized, transformers-native: the converter's command is given)."""
+    from kimi_hybrid.conversion_kimi_hybrid import checkpoint_format, unmapped_reason
+
+    try:
+        checkpoint_format(raw)
+    except ValueError:
+        raise SystemExit(f"kimi-hybrid: {model} is not a KimiHybrid or Kimi-Linear checkpoint (config.json "
+                         f"model_type {raw.get('model_type')!r}; expected kimi_hybrid or kimi_linear)") from None
+    why = unmapped_reason(raw)
+    if why is not None:
+        out = str(model).rstrip("/\\") + "-kimi-hybrid"
+        raise SystemExit(f"kimi-hybrid: {model} holds {why}; convert it once and load the output folder: "
+                         f"kimi-hybrid-convert {model} {out}")
+
+
+def load_config(model: str, trust_remote_code: bool = False):
+    """The model's config: a ``KimiHybridConfig`` for our folders and released Kimi-Linear ones (``model_type
+    kimi_linear``, read by ``KimiHybridConfig.from_released_dict``: transformers' AutoConfig would map it to its own
+    ``KimiLinearConfig``); with ``trust_remote_code``, the config class the folder's own ``auto_map`` names.
+
+    Raises SystemExit with ``invalid model config in <path>: <reason>`` when config.json is not valid JSON or the
+    config class rejects it (its ValueError names the field, e.g. ``layer_types has 5 entries but num_hidden_layers
+    is 8``), with the converter's command for checkpoints that need converting, and with ``cannot load <id> from the
+    Hugging Face Hub`` when a repo id cannot be fetched."""
+    from kimi_hybrid import KimiHybridConfig
+
+    raw = _config_dict(model)
+    try:
+        if trust_remote_code:
+            return remote_class(model, raw.get("auto_map"), "AutoConfig").from_pretrained(model)
+        _refuse_unloadable(model, raw)
+        if raw.get("model_type") == "kimi_hybrid" or not _is_hub_id(model):
+            return KimiHybridConfig.from_pretrained(model)  # reads local released folders as well
+        return KimiHybridConfig.from_released_dict(raw)
     except ValueError as e:
         raise SystemExit(f"kimi-hybrid: invalid model config in {model}: {e}") from None
     except OSError as e:
         if _is_hub_id(model):
             raise _hub_unreachable(model, e) from None
         raise SystemExit(f"kimi-hybrid: cannot read the config of {model}: {_first_line(e)}") from None
+
+
+def remote_class(model: str, auto_map: Any, key: str):
+    """The class ``auto_map[key]`` names in the folder / repo ``model`` (its own code, ``trust_remote_code``),
+    loaded with transformers' ``get_class_from_dynamic_module``. The Auto classes prefer a registered class (ours,
+    once ``kimi_hybrid`` is imported) over a folder's code; this does not. A list value (tokenizers: slow, fast)
+    gives its first named class. Raises SystemExit when ``auto_map`` does not name one."""
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    ref = (auto_map or {}).get(key) if isinstance(auto_map, dict) else None
+    if isinstance(ref, (list, tuple)):
+        ref = next((r for r in ref if r), None)
+    if not ref:
+        raise SystemExit(f"kimi-hybrid: --trust-remote-code: {model} ships no code of its own ({key} is not in its "
+                         "auto_map); leave the option out to use the installed kimi-hybrid")
+    return get_class_from_dynamic_module(ref, model)
 
 
 def broken_weights_file(model: str) -> Optional[Path]:
@@ -236,37 +321,70 @@ def broken_weights_file(model: str) -> Optional[Path]:
     return None
 
 
-def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: bool = False):
-    """Load ``(model, tokenizer)``; the model is put in eval mode on ``device`` in ``dtype``.
-
-    The tokenizer of a local folder whose ``tokenizer_config.json`` names ``KimiHybridTokenizer`` is built from the
-    installed class (no remote code needed); anything else goes through ``AutoTokenizer``.
-
-    Raises SystemExit with one line for what a user has to fix: an unreadable config (:func:`load_config`), a Hub
-    id that cannot be fetched, weights that are truncated or corrupt (safetensors cannot read them), a checkpoint
-    whose tensors do not match the config (strict loading), a missing shard.
-    """
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    """The tokenizer: a local folder whose ``tokenizer_config.json`` names ``KimiHybridTokenizer`` or the released
+    ``TikTokenTokenizer`` is read by the installed :class:`KimiHybridTokenizer`; with ``trust_remote_code`` the
+    folder's own class (its ``auto_map``) when it names one; anything else through ``AutoTokenizer``."""
+    from transformers import AutoTokenizer
 
     from kimi_hybrid.tokenization_kimi_hybrid import KimiHybridTokenizer
 
-    hf_logging.disable_progress_bar()
-
-    config = load_config(model, trust_remote_code)
+    tcfg = _read_tokenizer_config(model)
     try:
-        if _read_tokenizer_class(model) == "KimiHybridTokenizer" and not trust_remote_code:
-            tokenizer = KimiHybridTokenizer.from_pretrained(model)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+        if trust_remote_code and (tcfg.get("auto_map") or {}).get("AutoTokenizer"):
+            return remote_class(model, tcfg["auto_map"], "AutoTokenizer").from_pretrained(model)
+        if tcfg.get("tokenizer_class") in OUR_TOKENIZER_CLASSES and not trust_remote_code:
+            return KimiHybridTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except OSError as e:
         if _is_hub_id(model):
             raise _hub_unreachable(model, e) from None
         raise SystemExit(f"kimi-hybrid: cannot load the tokenizer of {model}: {_first_line(e)}") from None
+
+
+STRICT_LOADING_HINT = ("check that config.json belongs to these weights; a K3, quantized or transformers-native "
+                       "kimi_linear checkpoint needs `kimi-hybrid-convert SRC OUT` first")
+
+
+def _strict_loading_error(model: str, e: ValueError) -> SystemExit:
+    """The model's strict-loading ValueError as the CLI's one line: the tensors it names, and what a CLI user can
+    do (the library's advice to pass ``strict_loading=False`` is not an option of the CLI)."""
+    what = _first_line(e, 100_000).split(". A K3")[0].split("; pass strict_loading")[0]
+    named = re.match(r"checkpoint .*? does not match \w+: (.*)", what)  # the folder is named by our line already
+    what = named.group(1) if named else what
+    if len(what) > 300:
+        what = what[:297] + "..."
+    return SystemExit(f"kimi-hybrid: the weights in {model} do not match its config: {what}; {STRICT_LOADING_HINT}")
+
+
+def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: bool = False):
+    """Load ``(model, tokenizer)``; the model is put in eval mode on ``device`` in ``dtype``.
+
+    Without ``trust_remote_code`` the model is always ours, :class:`KimiHybridForCausalLM` (a released Kimi-Linear
+    folder too: its tensors are read through the registered conversion mapping; transformers' Auto classes would
+    build their own ``KimiLinearForCausalLM`` for it). With it, the classes the folder's ``auto_map`` names, from its
+    own code files (one stderr line says which).
+
+    Raises SystemExit with one line for what a user has to fix: an unreadable config (:func:`load_config`), a Hub
+    id that cannot be fetched, weights that are truncated or corrupt (safetensors cannot read them), a checkpoint
+    whose tensors do not match the config (strict loading), a missing shard, a checkpoint that needs converting.
+    """
+    from safetensors import SafetensorError
+    from transformers.utils import logging as hf_logging
+
+    from kimi_hybrid import KimiHybridForCausalLM
+
+    hf_logging.disable_progress_bar()
+    check_hub_reachable(model)
+    config = load_config(model, trust_remote_code)
+    tokenizer = load_tokenizer(model, trust_remote_code)
+    cls = KimiHybridForCausalLM
+    if trust_remote_code:
+        cls = remote_class(model, getattr(config, "auto_map", None), "AutoModelForCausalLM")
+        print(f"kimi-hybrid: --trust-remote-code: running the folder's own {cls.__module__}.{cls.__name__}",
+              file=sys.stderr)
     try:
-        lm = AutoModelForCausalLM.from_pretrained(model, config=config, dtype=dtype,
-                                                  trust_remote_code=trust_remote_code)
+        lm = cls.from_pretrained(model, config=config, dtype=dtype)
     except SafetensorError as e:
         broken = broken_weights_file(model)
         where = f"{broken} cannot be read" if broken else f"the weights in {model} cannot be read"
@@ -277,47 +395,9 @@ def load_model_and_tokenizer(model: str, device: str, dtype, trust_remote_code: 
             raise _hub_unreachable(model, e) from None
         raise SystemExit(f"kimi-hybrid: cannot load the weights in {model}: {_first_line(e)}") from None
     except ValueError as e:  # strict loading: missing / unexpected tensors, named
-        raise SystemExit(f"kimi-hybrid: the weights in {model} do not match its config: {_first_line(e)}") from None
+        raise _strict_loading_error(model, e) from None
     lm.to(device).eval()
     return lm, tokenizer
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# memory report
-# ---------------------------------------------------------------------------------------------------------------
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def format_memory_report(report: Dict[str, Any]) -> str:
-    """A small table of ``KimiHybridCache.memory_report()``: bytes per layer type, the total, and the formula parts
-    (constant KDA state, MLA bytes per token)."""
-    per_layer: List[Tuple[str, int]] = list(report.get("per_layer", []))
-    n_kda = sum(t == "linear_attention" for t, _ in per_layer)
-    n_mla = sum(t == "full_attention" for t, _ in per_layer)
-    rows = [
-        ("KDA conv + fp32 state", str(n_kda), report["kda_bytes"], "constant"),
-        ("MLA latent", str(n_mla), report["mla_bytes"], f"{report['mla_bytes_per_token']} B/token"),
-        ("key-padding mask", "-", report["mask_bytes"], "1 B/token"),
-    ]
-    if report.get("hidden_bytes"):
-        rows.append(("last hidden state", "-", report["hidden_bytes"], "1 per row"))
-    if report.get("rollback_bytes"):
-        rows.append(("rollback records", "-", report["rollback_bytes"], "assisted decoding"))
-    rows.append(("total", str(n_kda + n_mla), report["total_bytes"], ""))
-    head = (f"cache memory (KimiHybridCache.memory_report): {report['seen_tokens']} tokens, "
-            f"batch {report['batch_size']}")
-    w0 = max(len(r[0]) for r in rows + [("layer type", "", 0, "")])
-    lines = [head, f"  {'layer type':<{w0}}  {'layers':>6}  {'bytes':>12}  {'human':>10}  note",
-             f"  {'-' * w0}  {'-' * 6}  {'-' * 12}  {'-' * 10}  {'-' * 16}"]
-    for name, layers, nbytes, note in rows:
-        lines.append(f"  {name:<{w0}}  {layers:>6}  {nbytes:>12,}  {_human(nbytes):>10}  {note}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -580,6 +660,8 @@ def cmd_chat(args) -> int:
             sys.stderr.flush()
         line = sys.stdin.readline()
         if not line:
+            if interactive:  # Ctrl-D: end the prompt line, so the shell starts on a line of its own
+                sys.stderr.write("\n")
             break
         msg = line.rstrip("\n")
         if msg.strip() in ("/exit", "/quit"):
@@ -653,12 +735,30 @@ def cmd_export(args) -> int:
 
     check_export_out(args.out, resolve_model(args.model), args.overwrite)
     model, tokenizer = _load(args)
+    _check_exportable(model)
     try:
         folder = hub.prepare_hub_folder(model, tokenizer, args.out, repo_id=args.repo_id)
+    except KeyboardInterrupt:
+        print(f"\nkimi-hybrid: interrupted; {args.out} was left as it was (the export is written to a temporary "
+              "folder and moved into place only when complete)", file=sys.stderr)
+        return 130
     except OSError as e:
         raise SystemExit(f"kimi-hybrid: cannot write {args.out}: {_first_line(e)}") from None
     print(f"kimi-hybrid: wrote {folder}", file=sys.stderr)
     return 0
+
+
+def _check_exportable(model) -> None:
+    """SystemExit (one line) when the loaded model has no kimi-hybrid bundle next to its class (a folder's own
+    code of another model, run with --trust-remote-code): export and push ship that bundle."""
+    from kimi_hybrid.app import hub
+
+    try:
+        hub.bundle_files(model)
+    except FileNotFoundError as e:
+        raise SystemExit(f"kimi-hybrid: cannot export {type(model).__name__}: it is not a kimi-hybrid model with its "
+                         f"bundle code ({_first_line(e, 160)}); leave out --trust-remote-code to load the folder as "
+                         "KimiHybridForCausalLM") from None
 
 
 def _network_errors() -> Tuple[type, ...]:
@@ -681,6 +781,7 @@ def cmd_push(args) -> int:
     from kimi_hybrid.app import hub
 
     model, tokenizer = _load(args)
+    _check_exportable(model)
     try:
         url = hub.push(model, tokenizer, args.repo_id, private=args.private, token=args.token,
                        commit_message=args.commit_message)
@@ -835,8 +936,6 @@ def _join_negative_values(argv: List[str]) -> List[str]:
     (``-5GB``, ``-1e3``) as an option and reports "expected one argument"; joined, the value reaches the option's
     own check, which says what is wrong with it (e.g. a size must be positive). Only ``--long`` options without
     ``=`` followed by a token of the form ``-<digit>...`` or ``-.<digit>...`` are joined."""
-    import re
-
     out: List[str] = []
     i = 0
     while i < len(argv):
@@ -849,6 +948,12 @@ def _join_negative_values(argv: List[str]) -> List[str]:
         out.append(tok)
         i += 1
     return out
+
+
+def _preset_help() -> str:
+    from kimi_hybrid.conversion.config_io import PRESET_ALIASES, RELEASED_PRESETS
+
+    return f"{', '.join(RELEASED_PRESETS)} (aliases: {', '.join(PRESET_ALIASES)})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -903,8 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--weights-dtype. The same model with every layer MLA and with plain MHA\n"
             "(num_attention_heads x (qk_head_dim + v_head_dim) per token and layer) are shown for comparison."))
     src = m.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None,
-                     help="kimi-linear-48b-a3b, kimi-linear-48b-a3b-instruct or kimi-k3 (k3)")
+    src.add_argument("--preset", default=None, help=_preset_help())
     src.add_argument("--config", default=None, help="a config.json (ours, released Kimi-Linear or K3)")
     src.add_argument("--model", default=None, help="a model folder (its config.json)")
     m.add_argument("--gpu-mem", default="141GB",
@@ -958,23 +1062,69 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"kimi-hybrid: --max-turns must be >= 0 (0 = until end of input; got {args.max_turns})")
     if has("context") and not args.context >= 1:
         raise SystemExit(f"kimi-hybrid: --context must be >= 1 token (got {args.context})")
+    if getattr(args, "repo_id", None) is not None:
+        check_repo_id(args.repo_id)
     if getattr(args, "greedy", False):
         args.sample = False
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
-    check_args(args)
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a malformed Hub repo id (``--repo-id``) before anything is loaded: huggingface_hub's own rule
+    (``name`` or ``owner/name``, letters, digits, ``-``, ``_``, ``.``, at most 96 characters). SystemExit, one
+    line."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise SystemExit(f"kimi-hybrid: --repo-id {repo_id!r} is not a Hub repo id ({_first_line(e, 200)}); write "
+                         "owner/name, e.g. me/kimi-hybrid-tiny") from None
+
+
+OUT_OF_MEMORY_HINT = ("use a shorter prompt or fewer --max-new-tokens, --dtype bfloat16, or a machine (GPU) with more "
+                      "memory; `kimi-hybrid memory --model MODEL` shows what the cache needs")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's allocation failures: ``torch.OutOfMemoryError`` (CUDA) and the CPU allocator's RuntimeError
+    (``DefaultCPUAllocator: can't allocate memory``), or a MemoryError."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (``| head``): point stdout at /dev/null, so that the interpreter's final flush does
+    not fail again, and exit with 141 (128 + SIGPIPE) as a CLI killed by SIGPIPE does, printing nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The ``kimi-hybrid`` command. Returns the exit status: 0, 1 (a user error, one ``kimi-hybrid: ...`` line on
+    stderr, raised as SystemExit), 130 (Ctrl-C, one line) or 141 (stdout closed by its reader, silent)."""
+    try:
+        args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+        check_args(args)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
+        print("\nkimi-hybrid: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except SystemExit:
         raise
     except Exception as e:  # a bug, not a user error: say so on one line unless asked for the traceback
         if os.environ.get("KIMI_HYBRID_DEBUG"):
             raise
+        if is_out_of_memory(e):
+            raise SystemExit(f"kimi-hybrid: out of memory ({_first_line(e, 160)}): {OUT_OF_MEMORY_HINT}") from None
         raise SystemExit(f"kimi-hybrid: unexpected {type(e).__name__}: {_first_line(e)} (set KIMI_HYBRID_DEBUG=1 "
                          "for the traceback; please report it)") from None
 

@@ -13,8 +13,9 @@
   ``trust_remote_code`` usage, the side files it names copied); either way it states the pip line the folder
   needs (``tiktoken`` included).
 
-Writing over an earlier export removes its weights first (no stale shard index); written files get the mode of a
-plain new file.
+The folder is written into a temporary folder and moved into place when complete (an interruption leaves the
+target as it was); writing over an earlier export removes its weights (no stale shard index); written files get
+the mode of a plain new file.
 
 :func:`push` prepares such a folder in a temporary directory, checks it with :func:`missing_files`, and uploads it
 with ``huggingface_hub.HfApi.create_repo`` + ``upload_folder``.
@@ -28,11 +29,10 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from kimi_hybrid.bundle import AUTO_MAP, BUNDLE_GLOB, BUNDLE_REQUIRED, TOKENIZER_AUTO_MAP  # noqa: F401 (re-exported)
+from kimi_hybrid.bundle import AUTO_MAP, BUNDLE_REQUIRED, TOKENIZER_AUTO_MAP
 from kimi_hybrid.bundle import bundle_files as _bundle_files_of
 from kimi_hybrid.bundle import write_auto_map, write_bundle
 
@@ -83,7 +83,7 @@ def missing_files(folder: Union[str, Path]) -> List[str]:
 
 
 def _transformers_requirement() -> str:
-    """The transformers version range this package declares (its installed metadata), e.g. ``>=5.17,<5.24``."""
+    """The transformers version range this package declares (its installed metadata), e.g. ``>=5.17,<6``."""
     from importlib.metadata import PackageNotFoundError, requires
 
     try:
@@ -272,31 +272,44 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
                        safe_serialization: bool = True) -> Path:
     """Write a self-contained Hub folder for ``model`` + ``tokenizer`` into ``out_dir`` and return its path.
 
+    The folder is written completely into a temporary folder next to ``out_dir`` and then moved into place, so an
+    interruption or an error leaves ``out_dir`` as it was (the temporary folder is removed). Over an existing
+    folder, the new files replace those of the same names, its old weights are removed (no stale shard index)
+    and its other files are kept.
+
     ``card``: the README.md text; default: the README.md next to the model's source weights if there is one
     (``model.name_or_path``), else :func:`model_card`. Raises FileNotFoundError if the result misses a file
-    (see :func:`missing_files`).
+    (see :func:`missing_files`) or the model's class has no bundle files next to it (not a KimiHybrid model).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time() - 1.0
-    # weights of an earlier export: a stale index next to a new single model.safetensors (or old shards) would be
-    # read instead of, or mixed with, the new weights
-    for pattern in WEIGHT_PATTERNS:
-        for old in out.glob(pattern):
-            old.unlink()
+    out.parent.mkdir(parents=True, exist_ok=True)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.save_pretrained(out, max_shard_size=max_shard_size)
+    bundle_files(base)  # before anything is written: a model of another class has no bundle to ship
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_hub_folder(base, tokenizer, tmp, out, repo_id, card, max_shard_size)
+        _move_into_place(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_hub_folder(base, tokenizer, tmp: Path, out: Path, repo_id: Optional[str], card: Optional[str],
+                      max_shard_size: Union[int, str]) -> None:
+    """Every file of the Hub folder ``out``, written into the new, empty folder ``tmp``; checked complete."""
+    base.save_pretrained(tmp, max_shard_size=max_shard_size)
     # the auto_map and the bundle files are written explicitly: save_pretrained only copies the code of classes
     # registered with register_for_auto_class, and only the files the class's module imports
-    write_auto_map(out / "config.json")
-    write_bundle(out, bundle_dir(base))
-    if not (out / "generation_config.json").is_file():
+    write_auto_map(tmp / "config.json")
+    write_bundle(tmp, bundle_dir(base))
+    if not (tmp / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
         GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    tcfg_path = out / "tokenizer_config.json"
+                         pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tcfg_path = tmp / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text(encoding="utf-8"))
     tcfg["auto_map"] = dict(TOKENIZER_AUTO_MAP)
     tcfg_path.write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -304,20 +317,53 @@ def prepare_hub_folder(model, tokenizer, out_dir: Union[str, Path], repo_id: Opt
         name = str(getattr(base, "name_or_path", "") or "")
         src = Path(name) / "README.md" if name and Path(name).is_dir() else None
         if src is not None and src.is_file():
-            card = export_card(src.read_text(encoding="utf-8"), src.parent, out, repo_id)
+            card = export_card(src.read_text(encoding="utf-8"), src.parent, tmp, repo_id)
         else:
             card = model_card(base, repo_id)
-    (out / "README.md").write_text(with_requirements(card), encoding="utf-8")
-    # files written through a temporary file (the weights) get mode 0600; give every file written here the mode
-    # a plain new file gets (0644 under the usual umask 022)
+    (tmp / "README.md").write_text(with_requirements(card), encoding="utf-8")
+    # files written through a temporary file (the weights) get mode 0600, the folder from mkdtemp 0700: give them
+    # the modes a plain new file / folder gets (0644 / 0755 under the usual umask 022)
     mode = _written_mode()
-    for path in out.iterdir():
-        if path.is_file() and not path.is_symlink() and path.stat().st_mtime >= started:
+    os.chmod(tmp, mode | ((mode & 0o444) >> 2))
+    for path in tmp.iterdir():
+        if path.is_file() and not path.is_symlink():
             os.chmod(path, mode)
-    missing = missing_files(out)
+    missing = missing_files(tmp)
     if missing:
         raise FileNotFoundError(f"the Hub folder {out} is incomplete: {missing}")
-    return out
+
+
+def _is_weights_file(name: str) -> bool:
+    return any(Path(name).match(pattern) for pattern in WEIGHT_PATTERNS)
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Make the complete folder ``tmp`` the folder ``out`` (same file system: renames only). A missing or empty
+    ``out`` is replaced by one rename; over an existing one, ``out`` is renamed aside, ``tmp`` renamed to ``out``,
+    and the old folder's files that the new one lacks (weights excepted) are moved back. Ctrl-C is held off for
+    these few renames, so ``out`` is never missing or half-replaced."""
+    import signal
+    import threading
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if not out.exists():
+            os.replace(tmp, out)
+            return
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        aside.rmdir()
+        os.replace(out, aside)
+        os.replace(tmp, out)
+        for old in aside.iterdir():
+            if not (out / old.name).exists() and not _is_weights_file(old.name):
+                os.replace(old, out / old.name)
+        shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def push(model, tokenizer, repo_id: str, private: bool = False, token: Optional[str] = None,

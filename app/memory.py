@@ -27,19 +27,19 @@ pass them as ``--reserve``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+from kimi_hybrid.conversion.config_io import PRESET_ALIASES, RELEASED_PRESETS
 
 DTYPE_BYTES = {"float32": 4.0, "fp32": 4.0, "bfloat16": 2.0, "bf16": 2.0, "float16": 2.0, "fp16": 2.0,
                "float8": 1.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 4.25 / 8, "none": 0.0}
 CACHE_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-# the presets users plan for: the two shipped model presets, the shipped released config of the instruct model
-PRESET_NAMES = ("kimi-linear-48b-a3b", "kimi-linear-48b-a3b-instruct", "kimi-k3")
-PRESET_ALIASES = {"k3": "kimi-k3", "kimi-linear": "kimi-linear-48b-a3b", "48b": "kimi-linear-48b-a3b"}
+# the presets users plan for: the converter's list (``kimi-hybrid-convert inventory --preset`` takes the same names)
+PRESET_NAMES = tuple(RELEASED_PRESETS)
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9,
@@ -76,6 +76,54 @@ def dtype_bytes(name: str, what: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the table of one cache's memory_report()
+# ---------------------------------------------------------------------------------------------------------------
+
+def _binary_human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_memory_report(report: Dict[str, Any]) -> str:
+    """A small table of ``KimiHybridCache.memory_report()`` (the dict it returns): bytes per layer type, the
+    total, and the formula parts (constant KDA state, MLA bytes per token); the table ``kimi-hybrid generate``
+    prints."""
+    per_layer: List[Tuple[str, int]] = list(report.get("per_layer", []))
+    n_kda = sum(t == "linear_attention" for t, _ in per_layer)
+    n_mla = sum(t == "full_attention" for t, _ in per_layer)
+    rows = [
+        ("KDA conv + fp32 state", str(n_kda), report["kda_bytes"], "constant"),
+        ("MLA latent", str(n_mla), report["mla_bytes"], f"{report['mla_bytes_per_token']} B/token"),
+        ("key-padding mask", "-", report["mask_bytes"], "1 B/token"),
+    ]
+    if report.get("hidden_bytes"):
+        rows.append(("last hidden state", "-", report["hidden_bytes"], "1 per row"))
+    if report.get("rollback_bytes"):
+        rows.append(("rollback records", "-", report["rollback_bytes"], "assisted decoding"))
+    rows.append(("total", str(n_kda + n_mla), report["total_bytes"], ""))
+    head = (f"cache memory (KimiHybridCache.memory_report): {report['seen_tokens']} tokens, "
+            f"batch {report['batch_size']}")
+    w0 = max(len(r[0]) for r in rows + [("layer type", "", 0, "")])
+    lines = [head, f"  {'layer type':<{w0}}  {'layers':>6}  {'bytes':>12}  {'human':>10}  note",
+             f"  {'-' * w0}  {'-' * 6}  {'-' * 12}  {'-' * 10}  {'-' * 16}"]
+    for name, layers, nbytes, note in rows:
+        lines.append(f"  {name:<{w0}}  {layers:>6}  {nbytes:>12,}  {_binary_human(nbytes):>10}  {note}")
+    return "\n".join(lines)
+
+
+def print_memory_report(cache_or_report, file=None) -> None:
+    """Print :func:`format_memory_report` of a ``KimiHybridCache`` (its ``memory_report()``) or of such a report
+    dict, e.g. ``print_memory_report(cache)`` after ``model.generate(..., cache=cache)``."""
+    import sys
+
+    report = cache_or_report.memory_report() if hasattr(cache_or_report, "memory_report") else cache_or_report
+    print(format_memory_report(report), file=file or sys.stdout)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -90,14 +138,14 @@ def load_config(preset: Optional[str] = None, config: Optional[str] = None, mode
         raise PlanError("give exactly one of --preset NAME, --config CONFIG.json, --model FOLDER "
                         f"(presets: {', '.join(PRESET_NAMES)})")
     if preset:
-        name = PRESET_ALIASES.get(preset.lower(), preset.lower())
-        from kimi_hybrid.conversion.config_io import RELEASED_PRESETS
+        from kimi_hybrid.conversion.config_io import ConfigError, preset_name
 
-        name = RELEASED_PRESETS.get(name, name)  # the Instruct checkpoint has the Base architecture
-        if name not in PRESET_NAMES:
-            raise PlanError(f"unknown preset {preset!r}; the presets are {', '.join(PRESET_NAMES)} (or pass "
-                            "--config CONFIG.json / --model FOLDER)")
-        return KimiHybridConfig.from_preset(name)
+        try:
+            name = preset_name(preset)
+        except ConfigError:
+            raise PlanError(f"unknown preset {preset!r}; the presets are {', '.join(PRESET_NAMES)} (aliases: "
+                            f"{', '.join(PRESET_ALIASES)}; or pass --config CONFIG.json / --model FOLDER)") from None
+        return KimiHybridConfig.from_preset(RELEASED_PRESETS[name])
     if model:
         folder = Path(model).expanduser()
         if not (folder / "config.json").is_file():
@@ -113,19 +161,19 @@ def load_config(preset: Optional[str] = None, config: Optional[str] = None, mode
 
 
 def _config_from_file(path: Path):
-    from kimi_hybrid import KimiHybridConfig
+    """A ``KimiHybridConfig`` from a config.json, checked by the converter's reader (``kimi-hybrid-convert inventory
+    --config`` refuses the same files): the format from ``model_type`` (ours, released or native Kimi-Linear, K3),
+    then the model's config class. Raises PlanError naming the file and the reason."""
+    from kimi_hybrid.conversion import config_io
+    from kimi_hybrid.conversion.model_glue import to_model_config
 
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        raw = config_io.load_json(str(path))
+    except (OSError, config_io.ConfigError) as e:
         raise PlanError(f"{path} is not a readable JSON config ({e})") from None
-    if not isinstance(raw, dict):
-        raise PlanError(f"{path} does not hold a JSON object")
     try:
-        if raw.get("model_type") in ("kimi_linear", "kimi_k3") or "text_config" in raw:
-            return KimiHybridConfig.from_released_dict(raw)
-        return KimiHybridConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
-    except (TypeError, ValueError, KeyError) as e:
+        return to_model_config(config_io.to_ours(raw, config_io.detect_format(raw)))
+    except (config_io.ConfigError, TypeError, ValueError, KeyError) as e:
         raise PlanError(f"{path} is not a KimiHybrid / Kimi-Linear / K3 config: {e}") from None
 
 
@@ -311,7 +359,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{_dtype_name(c.cache_dtype_bytes)} (KDA recurrent state fp32)",
         f"weights: {plan.parameters:,} parameters x {plan.weights_dtype} = {human(plan.weights_bytes)}",
         f"GPU {human(plan.gpu_bytes)} - weights {human(plan.weights_bytes)} - reserve {human(plan.reserve_bytes)} "
-        f"= {human(plan.budget)} for the cache",
+        + (f"= {human(plan.budget)} for the cache" if plan.budget > 0 else
+           f"leaves nothing for the cache ({human(-plan.budget)} short)"),
         "",
         "cache per sequence (KimiHybridCache, dynamic; equals memory_report()):",
         f"  KDA fixed part    {c.kda_state + c.kda_conv:>16,} B  ({c.n_kda} layers: fp32 state {c.kda_state:,} B "
@@ -347,8 +396,10 @@ def _dtype_name(size: int) -> str:
 
 def require_matplotlib() -> None:
     """Raise PlanError (with the pip line) if matplotlib, which :func:`plot_plan` needs, is not installed."""
+    from importlib import import_module
+
     try:
-        import matplotlib  # noqa: F401
+        import_module("matplotlib")
     except ImportError:
         raise PlanError('the plot needs matplotlib: pip install -e ".[bench]" (or pip install matplotlib)') from None
 

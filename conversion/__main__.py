@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import config_io
@@ -53,12 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inventory", help="dry run from a config alone: source / target keys, shapes, sizes")
     g = i.add_mutually_exclusive_group(required=True)
     g.add_argument("--config", help="a config.json")
-    g.add_argument("--preset", help="a known released config (kimi-linear-48b-a3b-instruct)")
+    g.add_argument("--preset", help="a known config: " + ", ".join(config_io.RELEASED_PRESETS))
     i.add_argument("--from", dest="src_format", default="auto", choices=["auto", "released", "native", "k3", "ours"])
     i.add_argument("--variant", default="", help="native: fused|saved; k3: prefixed+mxfp4 (default) ...")
     i.add_argument("--json", help="write the full inventory as JSON to this file")
     i.add_argument("--all", action="store_true", help="print every key")
     return ap
+
+
+def _check_source_format(src: str, requested: str) -> None:
+    """Refuse ``--from FORMAT`` when the source's config.json says it is another format (ConfigError)."""
+    if requested == "auto":
+        return
+    raw = config_io.load_json(os.path.join(src, "config.json"))
+    found = config_io.detect_format(raw)
+    if found != requested:
+        raise ConfigError(f"--from {requested}: {src} holds a {found!r} checkpoint (config.json model_type "
+                          f"{raw.get('model_type')!r}); leave out --from (the format is detected) or pass "
+                          f"--from {found}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "export":
             convert_checkpoint(args.src, args.out, src_format="ours", dst_format="released", **kw)
         else:
+            _check_source_format(args.src, args.src_format)
             convert_checkpoint(args.src, args.out, src_format=args.src_format, dst_format="ours",
                                dequant_dtype=_DTYPES[args.dequant_dtype], with_bundle=not args.no_bundle, **kw)
         return 0

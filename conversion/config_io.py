@@ -168,16 +168,28 @@ def write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-# released config.json files known by name (``kimi-hybrid-convert inventory --preset``): written by the config class
-# from its preset, so each config exists once
-RELEASED_PRESETS = {"kimi-linear-48b-a3b-instruct": "kimi-linear-48b-a3b"}
+# the presets users plan and dry-run for, one list for ``kimi-hybrid-convert inventory --preset`` and ``kimi-hybrid
+# memory --preset``: name -> the config class's preset that writes its config.json (so each config exists once; the
+# Instruct checkpoint has the Base architecture), plus short aliases
+RELEASED_PRESETS = {"kimi-linear-48b-a3b": "kimi-linear-48b-a3b", "kimi-linear-48b-a3b-instruct": "kimi-linear-48b-a3b",
+                    "kimi-k3": "kimi-k3"}
+PRESET_ALIASES = {"k3": "kimi-k3", "kimi-linear": "kimi-linear-48b-a3b", "48b": "kimi-linear-48b-a3b"}
+
+
+def preset_name(name: str) -> str:
+    """The canonical preset name (a key of ``RELEASED_PRESETS``) of ``name``, an alias or a ``.json`` suffix
+    allowed, case-insensitive. Raises ConfigError for an unknown name, listing the known ones."""
+    key = str(name).lower()
+    key = key[:-5] if key.endswith(".json") else key
+    key = PRESET_ALIASES.get(key, key)
+    if key not in RELEASED_PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; the shipped presets are: {', '.join(RELEASED_PRESETS)}")
+    return key
 
 
 def preset_config(name: str) -> dict:
     """The released config.json of a known checkpoint (e.g. 'kimi-linear-48b-a3b-instruct'), as
-    ``KimiHybridConfig.from_preset(...).to_released_dict()`` writes it. Raises ConfigError for an unknown name,
-    listing the known ones."""
-    key = name[:-5] if name.endswith(".json") else name
-    if key not in RELEASED_PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; the shipped presets are: {', '.join(sorted(RELEASED_PRESETS))}")
-    return _model_config_class().from_preset(RELEASED_PRESETS[key]).to_released_dict()
+    ``KimiHybridConfig.from_preset(...).to_released_dict()`` writes it (for K3: inside ``text_config`` of a
+    ``kimi_k3`` config). Raises ConfigError for an unknown name, listing the known ones."""
+    cfg = _model_config_class().from_preset(RELEASED_PRESETS[preset_name(name)])
+    return {"model_type": "kimi_k3", "text_config": cfg.to_released_dict()} if cfg.is_k3 else cfg.to_released_dict()

@@ -684,8 +684,9 @@ def write_metadata(job: ConversionJob, tmp: str, src_dir: str, dst_report: dict,
 
         extra = write_model_config(tmp, job.ours_cfg, with_bundle)
     else:
-        config_io.write_json(os.path.join(tmp, "config.json"), config_io.ours_config_to_released(job.ours_cfg,
-                                                                                                 job.template))
+        released = config_io.ours_config_to_released(job.ours_cfg, job.template)
+        released.pop("auto_map", None)  # names code this folder does not ship; its consumers read model_type
+        config_io.write_json(os.path.join(tmp, "config.json"), released)
         extra = ["config.json"]
     return extra + copy_side_files(src_dir, tmp)
 

@@ -45,6 +45,17 @@ SETTINGS = {
 }
 
 
+# every knob a setting does not name is off: a model folder's generation_config.json may set a repetition penalty or
+# an n-gram block (the embedded one does), which generate would otherwise apply to "greedy" as well
+NEUTRAL = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, temperature=None, top_p=None, top_k=None)
+
+
+def decoding_kwargs(name: str) -> dict:
+    """The ``generate`` keywords of setting ``name``: its own on top of :data:`NEUTRAL`, so the result does not
+    depend on the folder's generation config."""
+    return {**NEUTRAL, **SETTINGS[name]}
+
+
 def distinct_ngram_ratio(ids: list[int], n: int = 4) -> float:
     """Distinct n-grams / all n-grams of a token-id list (1.0 when shorter than n + 1 tokens)."""
     grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
@@ -62,7 +73,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     rows = {}
     for name in args.settings:
-        kw = SETTINGS[name]
+        kw = decoding_kwargs(name)
         ratios, texts = [], []
         t0 = time.perf_counter()
         for i, prompt in enumerate(PROMPTS):
@@ -73,7 +84,7 @@ def main() -> None:
             new = out[0, ids.shape[1]:].tolist()
             ratios.append(distinct_ngram_ratio(new))
             texts.append(tok.decode(new))
-        rows[name] = {"kwargs": kw, "distinct4": ratios, "mean": sum(ratios) / len(ratios), "min": min(ratios),
+        rows[name] = {"kwargs": SETTINGS[name], "distinct4": ratios, "mean": sum(ratios) / len(ratios), "min": min(ratios),
                       "seconds": time.perf_counter() - t0,
                       "texts": texts}
         print(f"{name:<24} distinct-4 mean {rows[name]['mean']:.3f} min {rows[name]['min']:.3f}", flush=True)

@@ -58,6 +58,31 @@ def _graph_capturing(t: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# masks
+# ----------------------------------------------------------------------------------------------------------------
+
+def _is_causal_bias(attn_mask) -> bool:
+    return type(attn_mask).__name__ == "CausalBias"
+
+
+def bottom_right_causal_mask(T: int, S: int, device) -> torch.Tensor:
+    """Bool ``[1, 1, T, S]``: query ``i`` of the last ``T`` positions sees keys ``j <= i + S - T`` (True = attend);
+    the mask of ``attn_mask=None`` with a prefix of ``S - T`` cached keys."""
+    q_abs = torch.arange(T, device=device) + (S - T)
+    return (torch.arange(S, device=device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
+
+
+def dense_mask(attn_mask, T: int, S: int, device):
+    """The MLA's mask as a bool tensor: None -> :func:`bottom_right_causal_mask`, a ``CausalBias`` -> its
+    materialisation ``[1, 1, T, S]``; anything else is returned as it is (the caller checks it)."""
+    if attn_mask is None:
+        return bottom_right_causal_mask(T, S, device)
+    if _is_causal_bias(attn_mask):
+        return attn_mask._materialize(device).view(1, 1, T, S)
+    return attn_mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # decompression
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -280,7 +305,7 @@ def _causal_offset(attn_mask, T: int, S: int) -> Optional[int]:
     upper-left CausalBias of a non-square shape (handled as a dense mask)."""
     if attn_mask is None:
         return S - T
-    if type(attn_mask).__name__ == "CausalBias":
+    if _is_causal_bias(attn_mask):
         # CausalVariant is an IntEnum: str() of it is "1" / "2" on Python >= 3.11, so compare its name
         variant = getattr(getattr(attn_mask, "variant", None), "name", "")
         if variant == "LOWER_RIGHT":
@@ -343,9 +368,7 @@ def attend_decompressed(q: torch.Tensor, latent: torch.Tensor, kv_b_proj: Callab
             ra, rb = s - off, e - off  # rows [ra, rb) see this block causally (square), rows >= rb see all of it
             block(s, e, [(ra, rb, True, None)] + ([(rb, T, False, None)] if rb < T else []))
     else:
-        mask = attn_mask
-        if type(mask).__name__ == "CausalBias":
-            mask = mask._materialize(q.device).view(1, 1, T, S)
+        mask = dense_mask(attn_mask, T, S, q.device)
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"attn_mask must be a bool tensor [B, 1, T, S], a CausalBias or None; got {mask.dtype}")
         check = not _graph_capturing(q)
@@ -364,15 +387,17 @@ def _attend_one_shot(q, latent, kv_b_proj, attn_mask, H, r, nope, v_dim, scaling
     B, T, _, Dqk = q.shape
     k, v = decompress_kv(latent, kv_b_proj, H, r, nope, v_dim)
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    # Values padded with zeros to the query / key width (exact: the pad columns of the output are zero and sliced
+    # off) where a fused kernel needs equal head sizes: on CPU, where SDPA's flash kernel (memory linear in T) takes
+    # only equal sizes and the fallback materialises fp32 [B, H, T, S] scores, and on CUDA for the bottom-right bias
+    # (flash serves it only with equal sizes; training through a prefix, rare).
+    if v_dim < Dqk and (not qh.is_cuda or (attn_mask is not None and _is_causal_bias(attn_mask))):
+        vh = F.pad(vh, (0, Dqk - v_dim))
     if attn_mask is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=T > 1, scale=scaling)
-    elif type(attn_mask).__name__ == "CausalBias" and qh.is_cuda and v_dim < Dqk:
-        # training through a prefix (rare): flash serves the bottom-right bias only when q, k and v share a head dim
-        vp = F.pad(vh, (0, Dqk - v_dim))
-        o = F.scaled_dot_product_attention(qh, kh, vp, attn_mask=attn_mask, scale=scaling)[..., :v_dim]
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=attn_mask, scale=scaling)
-    return o.transpose(1, 2)
+    return o[..., :v_dim].transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -443,11 +468,8 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tens
     q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk.to(q.dtype))  # [H, B*T, r]
     q_lat = q_lat.transpose(0, 1).reshape(B, T, H, r)
     qf = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).reshape(B, T * H, r + rope)
-    if attn_mask is not None and type(attn_mask).__name__ == "CausalBias":  # chunked prefill (SDPA bias object)
-        attn_mask = attn_mask._materialize(q.device).view(1, 1, T, S)
-    if attn_mask is None and T > 1:
-        q_abs = torch.arange(T, device=q.device) + (S - T)
-        attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
+    if attn_mask is not None or T > 1:  # one query token with no mask sees every key
+        attn_mask = dense_mask(attn_mask, T, S, q.device)
     kernel = load_kernel("mla_decode") if latent.is_cuda and not _compiling() and not torch.is_grad_enabled() else None
     if kernel is not None and kernel.latent_decode_supports(qf, latent, r, attn_mask, H):
         ctx = kernel.latent_decode_attention(qf, latent, attn_mask, num_heads=H, kv_lora_rank=r, scaling=scaling)
@@ -504,11 +526,7 @@ def interface_mask(attn_mask, B: int, T: int, S: int, device: torch.device, dtyp
     ``attn_mask``: the MLA's mask: None (bottom-right causal: query i sees keys ``j <= i + S - T``), a
     ``torch.nn.attention.bias.CausalBias`` or bool ``[B | 1, 1, T, S]`` (True = attend). Raises ValueError on
     anything else (a float mask, a wrong shape)."""
-    if attn_mask is None:
-        q_abs = torch.arange(T, device=device) + (S - T)
-        attn_mask = (torch.arange(S, device=device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
-    elif type(attn_mask).__name__ == "CausalBias":
-        attn_mask = attn_mask._materialize(device).view(1, 1, T, S)
+    attn_mask = dense_mask(attn_mask, T, S, device)
     if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
         raise ValueError(f"attn_mask must be a bool tensor [B, 1, T, S], a CausalBias or None; got "
                          f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
