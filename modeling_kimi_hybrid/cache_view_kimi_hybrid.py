@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, StaticLayer
 
 from .cache_kimi_hybrid import FULL, LINEAR, KimiHybridCache
 from .compat_kimi_hybrid import linear_attention_states
@@ -48,7 +48,7 @@ def resolve_cache(past_key_values: Any, config, use_cache: bool):
         ValueError: a refused cache (its class named, and what to pass instead), or a cache of another model.
     """
     if past_key_values is None:
-        return KimiHybridCache(config) if use_cache else None
+        return TransformersCacheView(DynamicCache(config=config), config) if use_cache else None
     if isinstance(past_key_values, KimiHybridCache):
         return past_key_values.for_model(config)
     if isinstance(past_key_values, Cache):
@@ -85,8 +85,8 @@ class TransformersCacheView:
         for i, (kind, layer) in enumerate(zip(self.layer_types, layers)):
             want = LinearAttentionCacheLayerMixin if kind == LINEAR else CacheLayerMixin
             if not isinstance(layer, want) or (kind == FULL and isinstance(layer, LinearAttentionCacheLayerMixin)):
-                raise ValueError(f"past_key_values is a {name} whose layer {i} is a {type(layer).__name__}, but that "
-                                 f"layer of this model is {kind!r}: {_FIX}")
+                raise ValueError(f"past_key_values is a {name} of another model: its layer {i} is a "
+                                 f"{type(layer).__name__}, but that layer of this model is {kind!r}: {_FIX}")
             if kind == LINEAR and getattr(layer, "record_past", False):
                 raise ValueError(f"past_key_values is a {name} that records its past for rollback (assisted / "
                                  "speculative decoding); a KDA state can only be rolled back from KimiHybridCache's "

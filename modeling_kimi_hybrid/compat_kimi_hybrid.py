@@ -19,6 +19,7 @@ import inspect
 import warnings
 from typing import Any, Optional
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import GenerationMixin
@@ -60,6 +61,19 @@ def check_transformers_version(version: Optional[str] = None) -> None:
             KimiHybridVersionWarning, stacklevel=3)
 
 
+def compiling() -> bool:
+    """True while torch.compile (dynamo) traces the caller (host reads, warnings and Python-side checks are skipped
+    there)."""
+    comp = getattr(torch, "compiler", None)
+    return bool(comp is not None and hasattr(comp, "is_compiling") and comp.is_compiling())
+
+
+def graph_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream of ``t``'s device (host reads of device
+    values are illegal there)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _generation_cache_name() -> str:
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -82,6 +96,10 @@ def resolve_cache_arg(past_key_values: Any = None, cache: Any = None) -> Any:
     if past_key_values is not None and cache is not None:
         raise ValueError("got both `cache` and `past_key_values`: they are two names for the same argument "
                          "(transformers >= 5.24 calls it `cache`); pass the cache once")
+    if past_key_values is not None and GENERATION_CACHE_NAME == "cache" and not compiling():
+        # transformers >= 5.24's own deprecation of the old name (its models warn the same way)
+        warnings.warn("`past_key_values` is deprecated and will be removed in transformers 6; use `cache` instead",
+                      FutureWarning, stacklevel=3)
     return cache if cache is not None else past_key_values
 
 

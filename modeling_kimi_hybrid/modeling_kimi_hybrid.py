@@ -42,9 +42,10 @@ except ImportError:  # pragma: no cover
 from .cache_kimi_hybrid import FULL, LINEAR, KimiHybridCache
 from .cache_view_kimi_hybrid import resolve_cache
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
+from .compat_kimi_hybrid import compiling as _compiling, graph_capturing as _graph_capturing
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .conversion_kimi_hybrid import refuse_unmapped_folder
-from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
+from .kda_kimi_hybrid import kda_chunk, kda_gate, kda_recurrent, short_conv
 from .kda_kimi_hybrid import short_conv_update
 # (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
@@ -121,11 +122,6 @@ def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static:
                          f"have {past + T} (past + new) or {T} (new only)")
     if cols < T:
         raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
-
-
-def _graph_capturing(t: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_position_ids(position_ids: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
@@ -1113,7 +1109,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
                                           ("output_hidden_states", output_hidden_states),
                                           ("output_router_logits", output_router_logits)) if v is not None}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=resolve_cache_arg(past_key_values, cache), inputs_embeds=inputs_embeds,
+                         cache=resolve_cache_arg(past_key_values, cache), inputs_embeds=inputs_embeds,
                          use_cache=use_cache, return_dict=True, cu_seqlens=cu_seqlens, **model_kwargs, **kwargs)
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int):
@@ -1157,7 +1153,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         routers = [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, KimiMoE)]
         if len(routers) != len(router_logits):
             raise ValueError(f"got {len(router_logits)} router logit tensors for {len(routers)} MoE layers")
-        E, k = self.config.num_experts, self.config.num_experts_per_token
+        E = self.config.num_experts
         probs, chosen = [], []
         for logits, router in zip(router_logits, routers):
             logits = logits.float()
@@ -1197,7 +1193,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
                                                        inputs_embeds=inputs_embeds, **kwargs)
         if attention_mask is not None:
-            if isinstance(cache, KimiHybridCache) and cache.static:
+            if isinstance(cache, KimiHybridCache) and cache.is_compileable:
                 # a static cache keeps the key-padding history itself (``key_mask``): pass the new tokens' columns
                 # only, whose shape does not grow with the step, so a compiled decode step never recompiles
                 new = inputs.get("input_ids")
@@ -1218,7 +1214,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         each continuation ``prefix_cache.fork()`` (or use :meth:`generate_from_prefix`), so the prefix is never
         recomputed. Only the last position's logits are computed."""
         cache = KimiHybridCache(self.config)
-        self(input_ids=prefix_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+        self(input_ids=prefix_ids, attention_mask=attention_mask, cache=cache, use_cache=True,
              logits_to_keep=1)
         return cache
 
