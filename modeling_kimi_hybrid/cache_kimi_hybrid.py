@@ -83,17 +83,17 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, LinearA
 
 try:  # relative import inside the package / Hub bundle
     from .compat_kimi_hybrid import compiling as _compiling
+    from .configuration_kimi_hybrid import FULL, LINEAR
     from .kda_kimi_hybrid import kda_chunk, kda_recurrent
 except ImportError:  # pragma: no cover
     from compat_kimi_hybrid import compiling as _compiling  # type: ignore
+    from configuration_kimi_hybrid import FULL, LINEAR  # type: ignore
     from kda_kimi_hybrid import kda_chunk, kda_recurrent  # type: ignore
 
 CACHE_FORMAT = "kimi-hybrid-cache"
 CACHE_FORMAT_VERSION = 2  # 2: W-wide conv windows (1: W-1 wide; still read)
 READABLE_VERSIONS = (1, 2)
 
-LINEAR = "linear_attention"
-FULL = "full_attention"
 
 
 def config_fingerprint(config) -> Dict[str, Any]:
@@ -939,6 +939,13 @@ class KimiHybridCache(Cache):
         """Tokens held as a Python int, or None for a static cache (its length lives in a device counter, which a
         compiled or captured decode step must not read)."""
         return None if self.static else self.seen_tokens
+
+    def host_count(self) -> Optional[int]:
+        """Tokens held as known on the host without a device read (static: the host count kept beside the device
+        counter), for shape checks only; None while tracing or when compiled steps ran since the last check."""
+        if _compiling() or self.__dict__.get("_host_count_stale", False):
+            return None
+        return self._seen
 
     def mask_geometry(self, num_tokens: int, device) -> Tuple[int, torch.Tensor]:
         """``(key_length, query_positions [num_tokens])``: the keys an MLA layer attends over after this forward's

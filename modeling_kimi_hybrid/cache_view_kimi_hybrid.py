@@ -27,8 +27,9 @@ from typing import Any, Optional, Tuple
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, StaticLayer
 
-from .cache_kimi_hybrid import FULL, LINEAR, KimiHybridCache
+from .cache_kimi_hybrid import KimiHybridCache
 from .compat_kimi_hybrid import linear_attention_states
+from .configuration_kimi_hybrid import FULL, LINEAR
 
 _FIX = ("pass past_key_values=KimiHybridCache(model.config) (add max_cache_len=N for a static, compilable cache; "
         "`from kimi_hybrid import KimiHybridCache`), DynamicCache(config=model.config), "
@@ -133,6 +134,10 @@ class TransformersCacheView:
         """Tokens held (read once in :meth:`prepare`); None for a cache of KDA layers only, whose transformers
         layers keep no length."""
         return None if self.mla_idx is None else self._past
+
+    def host_count(self) -> Optional[int]:
+        """Tokens held (read once in :meth:`prepare`), for shape checks."""
+        return self.host_length()
 
     def mask_geometry(self, num_tokens: int, device) -> Tuple[int, torch.Tensor]:
         """``(key_length, query_positions [num_tokens])`` as :meth:`KimiHybridCache.mask_geometry`."""

@@ -83,7 +83,6 @@ def _generation_cache_name() -> str:
 GENERATION_CACHE_NAME = _generation_cache_name()
 # the field name of the cache in transformers' ModelOutput classes
 OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-CACHE_NAMES = ("past_key_values", "cache")
 
 
 def resolve_cache_arg(past_key_values: Any = None, cache: Any = None) -> Any:

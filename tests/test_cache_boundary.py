@@ -138,3 +138,31 @@ def test_decode_step_reads_nothing_to_the_host(monkeypatch, kind, with_mask):
         assert len(calls) <= 1 and all(c[1].endswith("cache_view_kimi_hybrid.py") for c in calls), calls
     else:
         assert calls == [], calls
+
+
+def test_fused_conv_weight_is_kept_and_rebuilt_when_a_kernel_changes():
+    """The fused [3P, W] short-conv weight is built once for inference steps, rebuilt after an in-place write, a
+    load_state_dict or a dtype change, and concatenated afresh (with its autograd graph) when training."""
+    torch.manual_seed(0)
+    m = KimiHybridForCausalLM(preset_config("tiny-kda-first")).eval()
+    attn = m.model.layers[0].self_attn
+    P = attn.proj_dim
+
+    def fused_ref():
+        return torch.cat([attn.q_conv1d.weight, attn.k_conv1d.weight, attn.v_conv1d.weight], 0).squeeze(1)
+
+    with torch.no_grad():
+        w1 = attn.conv_weight()
+        assert attn.conv_weight() is w1 and torch.equal(w1, fused_ref())
+        attn.k_conv1d.weight.mul_(2)
+        w2 = attn.conv_weight()
+        assert w2 is not w1 and torch.equal(w2, fused_ref()) and torch.equal(w2[P:2 * P], 2 * w1[P:2 * P])
+        sd = {k: v.clone() + 1 for k, v in attn.state_dict().items()}
+        attn.load_state_dict(sd)
+        w3 = attn.conv_weight()
+        assert w3 is not w2 and torch.equal(w3, fused_ref())
+    w4 = attn.conv_weight()  # grad enabled, trainable weights: a fresh concatenation with its graph
+    assert w4.requires_grad and w4.grad_fn is not None and torch.equal(w4, fused_ref())
+    attn.to(torch.float64)
+    with torch.no_grad():
+        assert attn.conv_weight().dtype == torch.float64
