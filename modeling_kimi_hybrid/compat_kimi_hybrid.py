@@ -1,16 +1,17 @@
 # coding=utf-8
-"""The transformers versions this model is tested with, and the one API rename inside that window.
+"""The transformers versions this model is tested with, the API differences inside that window, and the
+tracing predicates (``compiling``, ``graph_capturing``) the bundle shares.
 
 Window: transformers 5.17 (the first release with the linear-attention cache layers and the output-capturing
-utilities this model builds on) through 5.24 (the newest release when this was written). Importing the model (the
-installed package or the Hub files loaded with ``trust_remote_code=True``) under an older transformers raises
-ImportError; under a newer one it warns once with :class:`KimiHybridVersionWarning`, since a later release may
-change an API this model relies on (5.24 renamed the cache keyword, and a model that only knew the old name decoded
-without its cache, with nothing but a deprecation warning).
+utilities this model builds on) through 5.24. Importing the model (the installed package or the Hub files loaded
+with ``trust_remote_code=True``) under an older transformers raises ImportError; under a newer one it warns once with
+:class:`KimiHybridVersionWarning`, since a later release may change an API this model relies on.
 
-The rename: transformers 5.24 passes the cache to ``forward`` / ``prepare_inputs_for_generation`` as ``cache`` and
-stores it in every ``ModelOutput`` as ``cache``; 5.17-5.23 use ``past_key_values``. This model accepts both names
-everywhere (giving both is an error) and talks to the installed transformers in its own name.
+The cache keyword: transformers 5.24 passes the cache to ``forward`` / ``prepare_inputs_for_generation`` as
+``cache`` and stores it in every ``ModelOutput`` as ``cache``; 5.17-5.23 use ``past_key_values``. This model accepts
+both names everywhere (giving both is an error; ``past_key_values`` warns as deprecated where transformers does) and
+talks to the installed transformers in its own name. The linear-attention state getters
+(``Cache.get_conv_state`` / ``get_recurrent_state``) exist from 5.21: :func:`linear_attention_states`.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class KimiDeltaAttention(nn.Module):
         H, K = config.linear_num_heads, config.linear_head_dim
         self.num_heads, self.head_dim, self.proj_dim = H, K, H * K
         W = config.linear_conv_kernel_size
-        self.conv_size = W
+        self.conv_kernel_size = W
         P = self.proj_dim
         self.q_proj = nn.Linear(D, P, bias=False)
         self.k_proj = nn.Linear(D, P, bias=False)
@@ -194,7 +194,7 @@ class KimiDeltaAttention(nn.Module):
     def _window_at(self, conv_state, x_raw, lengths):
         """Last W real pre-conv inputs of each row (real tokens are at the front), oldest first: ``[B, C, W]``."""
         B, T, C = x_raw.shape
-        W = self.conv_size
+        W = self.conv_kernel_size
         prev = conv_state if conv_state is not None else x_raw.new_zeros(B, C, W)
         full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)  # [B, C, W + T]
         idx = lengths.view(B, 1, 1) + torch.arange(W, device=x_raw.device).view(1, 1, W)
