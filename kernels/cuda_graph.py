@@ -48,7 +48,7 @@ def prefill_to_static(model, input_ids: torch.Tensor, max_cache_len: int, chunk_
     step = chunk_size or T
     out = None
     for s in range(0, T, step):
-        out = model(input_ids[:, s:s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids[:, s:s + step], cache=cache, use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]
     st = to_static_cache(cache, max_cache_len)
     del cache
@@ -85,7 +85,7 @@ class GraphDecoder:
         seen = cache.seen_tokens
 
         def one_step(ids):
-            return model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            return model(ids, cache=cache, use_cache=True).logits[:, -1]
 
         self.compiled = bool(compile)
         fn = torch.compile(one_step, dynamic=False) if compile else one_step
@@ -109,6 +109,7 @@ class GraphDecoder:
         """Re-read the cache's device counter into ``position`` (after the cache was restored or written by other
         code than this decoder). One host synchronisation. Returns the position."""
         self.position = self.cache.seen_tokens
+        self.cache.seen_tokens = self.position  # the cache's host count too
         return self.position
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -118,5 +119,6 @@ class GraphDecoder:
             raise ValueError(f"the static cache is full ({self.cache.max_cache_len} positions)")
         self.ids.copy_(input_ids)
         self.graph.replay()
+        self.cache.count_replayed_tokens(1)
         self.position += 1
         return self.logits

@@ -37,6 +37,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .compat_kimi_hybrid import compiling as _compiling
 from .kernels_kimi_hybrid import load_kernel
 
 __all__ = [
@@ -382,10 +383,6 @@ def _use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and fla_available()
 
 
-def _compiling() -> bool:
-    """True while torch.compile (dynamo) traces the caller."""
-    comp = getattr(torch, "compiler", None)
-    return bool(comp is not None and hasattr(comp, "is_compiling") and comp.is_compiling())
 
 
 def _contig(*ts):

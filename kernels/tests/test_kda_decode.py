@@ -122,7 +122,7 @@ def test_layer_decode_uses_the_fused_step(dtype, tol, static, monkeypatch):
     """A tiny model's decode steps on CUDA go through ``kda_decode_step`` (counted) and give the unfused layer's
     logits and KDA states (padded batch: one row left-padded)."""
     from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
-    from kimi_hybrid import modeling_kimi_hybrid as mk
+    from kimi_hybrid import kda_layer_kimi_hybrid as mk
     from presets import preset_config
 
     cfg = preset_config("tiny-kda-first", linear_attn_config={"head_dim": 32, "num_heads": 2,
