@@ -60,7 +60,7 @@ import torch
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid import mla_kimi_hybrid as mla
 from kimi_hybrid.conversion.native import native_state_dict_views
-from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache
+from kimi_hybrid.engine_kimi_hybrid import GraphDecoder, to_static_cache
 
 HBM_BPS = 4.8e12  # datasheet; the benchmark measures its own (R["setup"]["hbm_GBps"]) and uses that
 LIN, FULL = "linear_attention", "full_attention"

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 
 from kimi_hybrid.kernels.bench_h200 import build_ours_only, graph_decode_time, ours_prefill, versions  # noqa: E402
-from kimi_hybrid.kernels.cuda_graph import GraphDecoder, to_static_cache  # noqa: E402
+from kimi_hybrid.engine_kimi_hybrid import GraphDecoder, to_static_cache  # noqa: E402
 
 
 def cuda_time(fn, reps):

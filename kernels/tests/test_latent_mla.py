@@ -98,7 +98,7 @@ def test_expert_fallback_vs_reference():
 
 
 def test_static_cache_copy_and_prefill_to_static():
-    from kimi_hybrid.kernels.cuda_graph import prefill_to_static
+    from kimi_hybrid.engine_kimi_hybrid import prefill_to_static
 
     cfg = preset_config("tiny-mla-first")
     torch.manual_seed(3)
