@@ -66,9 +66,8 @@ load), and ``memory_report`` (bytes per layer type, byte-exact against the stora
 ``KimiHybridForCausalLM.prefill_prefix`` runs a shared prefix once; ``fork()`` its cache per continuation or call
 ``generate_from_prefix`` for a batch (``examples/bench_prefix_reuse.py`` measures the time saved).
 
-A cache of another class (transformers' ``DynamicCache`` / ``StaticCache``, ...) cannot hold this model's state
-(no key-padding history, no rollback record, per-head K/V layers): :meth:`KimiHybridCache.from_user_cache` refuses it
-with a ValueError instead of silently decoding into a private cache the caller never sees.
+A user's transformers ``DynamicCache`` / ``StaticCache`` is not this class: the model uses it as it is, through
+transformers' cache API (``cache_view_kimi_hybrid``).
 """
 
 from __future__ import annotations
@@ -288,6 +287,41 @@ class KDARecord:
             self.tokens[name] = self.tokens[name][:, :m]
         self.end = int(target)
         return state.clone(), window.clone()
+
+
+def record_kda_step(cache, layer_idx: int, run, tokens, init_state, conv_state, perm=None, token_mask=None):
+    """:meth:`KimiHybridCache.kda_run_recorded` (its docstring): one KDA step run with its rollback record kept."""
+    q, k, v, g, beta, x_raw = (tokens[n] for n in ("q", "k", "v", "g", "beta", "x"))
+    B, T, H, K = q.shape
+    R = max(1, int(cache.config.kda_record_max_tokens))
+    start = cache.seen_tokens
+    rec_tokens = dict(tokens)
+    if perm is not None:  # back to position order: pads land on their positions with k = g = beta = 0
+        rec_tokens = {n: torch.zeros_like(t).scatter(1, perm.view(B, T, *([1] * (t.dim() - 2))).expand_as(t), t)
+                      for n, t in rec_tokens.items()}
+    padded = token_mask is not None
+    rec_tokens["valid"] = token_mask if padded else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    rec = cache.records[layer_idx]
+    if rec is not None and rec.end == start and (T < R or padded):
+        o, final = run(q, k, v, g, beta, init_state)
+        rec.extend(rec_tokens, R)
+        return o, final
+    W = cache.layers[layer_idx].conv_kernel_size[0]
+    split = 0 if padded else max(0, T - R)
+    S0 = init_state if init_state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
+    W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W)
+    outs = []
+    if split > 0:
+        o1, S0 = kda_chunk(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
+                           initial_state=init_state, output_final_state=True)
+        outs.append(o1)
+        full = torch.cat([W0.to(x_raw.dtype), x_raw[:, :split].transpose(1, 2)], dim=-1)
+        W0 = full[..., full.shape[-1] - W:]
+    rest = [t[:, split:] for t in (q, k, v, g, beta)]
+    o2, final = run(*rest, S0 if (split > 0 or init_state is not None) else None)
+    outs.append(o2)
+    cache.records[layer_idx] = KDARecord(start + split, S0, W0, {n: t[:, split:] for n, t in rec_tokens.items()}, R)
+    return torch.cat(outs, 1) if len(outs) > 1 else o2, final
 
 
 def _shape(t: Optional[torch.Tensor]):
@@ -861,6 +895,101 @@ class KimiHybridCache(Cache):
         else:
             layer.prefetch()
 
+    # -- the model's interface (a user's transformers cache gets the same through cache_view_kimi_hybrid) -----------
+    def for_model(self, config) -> "KimiHybridCache":
+        """This cache, checked against the ``config`` of the model about to use it (once per forward; the
+        fingerprint is compared only when the config object is another than the cache's own).
+
+        Raises:
+            ValueError: a cache of a model whose layer plan / widths differ (the differing fields named).
+        """
+        if config is not self.config:
+            want = config_fingerprint(config)
+            if self.fingerprint != want:
+                raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
+                                 f"this model's config: {_diff(self.fingerprint, want)})")
+        return self
+
+    def user_cache(self) -> "KimiHybridCache":
+        """The object the forward returns as its cache (this one)."""
+        return self
+
+    def prepare(self, batch_size: int, num_tokens: int, dtype: torch.dtype, device, host_checks: bool) -> None:
+        """Ready the cache for a forward of ``num_tokens`` new tokens of ``batch_size`` rows: allocate a static
+        cache's buffers at the first forward (``dtype`` / ``device``), check the batch size and, with
+        ``host_checks`` (never while tracing or capturing a graph: it reads the static counter), the room left.
+
+        Raises:
+            ValueError: a batch size other than the cached one, or a static cache that would overflow.
+        """
+        self.ensure_allocated(batch_size, dtype, device)
+        if not self.static and self.batch_size is not None and self.seen_tokens > 0 and self.batch_size != batch_size:
+            raise ValueError(f"the cache holds batch {self.batch_size} but the input has batch {batch_size}")
+        if self.static and host_checks and self.seen_tokens + num_tokens > self.max_cache_len:
+            raise ValueError(f"the static cache holds {self.seen_tokens} of max_cache_len={self.max_cache_len} "
+                             f"tokens and cannot take {num_tokens} more")
+
+    def host_length(self) -> Optional[int]:
+        """Tokens held as a Python int, or None for a static cache (its length lives in a device counter, which a
+        compiled or captured decode step must not read)."""
+        return None if self.static else self.seen_tokens
+
+    def mask_geometry(self, num_tokens: int, device) -> Tuple[int, torch.Tensor]:
+        """``(key_length, query_positions [num_tokens])``: the keys an MLA layer attends over after this forward's
+        update (static: the whole buffer) and the absolute positions of the new tokens (static: from the device
+        counter, no host read)."""
+        if self.static:
+            return int(self.max_cache_len), self._pos + torch.arange(num_tokens, device=device)
+        past = self.seen_tokens
+        return past + num_tokens, past + torch.arange(num_tokens, device=device)
+
+    def keeps_padding_history(self) -> bool:
+        """True: this cache remembers which cached tokens were padding (``update_key_mask``), so a later forward may
+        pass only the new tokens' mask columns."""
+        return True
+
+    def last_hidden_state(self) -> Optional[torch.Tensor]:
+        """``[B, D]``: the final hidden state of each row's last real token before this forward (dynamic cache), or
+        None."""
+        return None if self.static else self.last_hidden
+
+    def end_forward(self, num_tokens: int, last_hidden: Optional[torch.Tensor]) -> None:
+        """After every layer has seen the ``num_tokens`` new tokens: keep ``last_hidden [B, D]`` (dynamic cache)
+        and move the position counter."""
+        if not self.static and last_hidden is not None:
+            self.last_hidden = last_hidden.detach().clone()
+        self.advance(num_tokens)
+
+    def kda_states(self, layer_idx: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """KDA layer ``layer_idx``'s ``(conv window [B, 3P, W], recurrent state [B, H, K, V] fp32)`` to continue
+        from, or ``(None, None)`` without one (a static cache's zeroed buffers are returned: zero is "no state")."""
+        layer = self.layers[layer_idx]
+        if layer.recurrent_states[0] is None or not (self.static or self.seen_tokens > 0):
+            return None, None
+        return layer.conv_states[0], layer.recurrent_states[0]
+
+    def kda_update(self, layer_idx: int, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                   recorded: bool = False) -> None:
+        """Store KDA layer ``layer_idx``'s new ``conv_state [B, 3P, W]`` and ``recurrent_state [B, H, K, V]`` fp32
+        (in place where the buffers allow, see :func:`kda_store`). ``recorded``: the step went through
+        :meth:`kda_run_recorded`; otherwise the layer's rollback record ends here."""
+        if not recorded:
+            self.records[layer_idx] = None
+        kda_store(self.layers[layer_idx], conv_state, recurrent_state, fixed=self.static)
+
+    def kda_run_recorded(self, layer_idx: int, run, tokens: Dict[str, torch.Tensor],
+                         init_state: Optional[torch.Tensor], conv_state: Optional[torch.Tensor], perm=None,
+                         token_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Run a KDA step while recording (:meth:`is_recording_past`) and keep its rollback record (module doc).
+
+        ``run(q, k, v, g, beta, initial_state)`` is the layer's kernel call returning ``(o, final_state)``;
+        ``tokens``: ``q, k, v, g [B, T, H, K]``, ``beta [B, T, H]`` and the pre-conv ``x [B, T, 3P]`` of the step
+        (padded steps: compacted by ``perm [B, T]``, with ``token_mask [B, T]`` the validity in position order).
+        The record is extended when it ends where this call starts and the call is shorter than R =
+        ``kda_record_max_tokens``, else a new one is anchored ``min(T, R)`` tokens before the end of the call (the
+        state there comes from splitting the kernel call). Returns ``(o, final_state)``."""
+        return record_kda_step(self, layer_idx, run, tokens, init_state, conv_state, perm, token_mask)
+
     # -- used by the layers --------------------------------------------------------------------------------------
     def mla_update(self, layer_idx: int, new_latent: torch.Tensor) -> torch.Tensor:
         """Append ``new_latent [B, T, Dl]`` to MLA layer ``layer_idx``; return every cached latent ``[B, T_all, Dl]``
@@ -879,9 +1008,12 @@ class KimiHybridCache(Cache):
             layer.offload()  # the returned tensor stays on the device for this layer's attention
         return latent
 
-    def update_key_mask(self, new_mask: torch.Tensor) -> torch.Tensor:
-        """Record the key-padding mask ``[B, T]`` of the current tokens; return the mask of all keys."""
+    def update_key_mask(self, new_mask: torch.Tensor, history: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Record the key-padding mask ``[B, T]`` of the current tokens; return the mask of all keys. ``history
+        [B, past]``: the caller's mask columns of the cached tokens, ANDed into the kept history (dynamic cache)."""
         new_mask = new_mask.bool()
+        if history is not None and self.key_mask is not None and not self.static:
+            self.key_mask = history.bool() & self.key_mask
         if self.static:
             T = new_mask.shape[1]
             idx = self._pos + torch.arange(T, device=new_mask.device)
@@ -1052,6 +1184,32 @@ class KimiHybridCache(Cache):
         new.fingerprint = dict(self.fingerprint)
         return new
 
+    def to_static(self, max_cache_len: int) -> "KimiHybridCache":
+        """A new static cache of ``max_cache_len`` positions holding this cache's tokens (same batch, dtypes and
+        device): KDA windows and states copied, MLA latents and the key mask in the first ``seen_tokens`` rows.
+
+        Raises:
+            ValueError: the cache is empty or holds more tokens than ``max_cache_len``.
+        """
+        T = self.seen_tokens
+        if T > max_cache_len:
+            raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={max_cache_len}")
+        held = [t for layer in self.layers for t in layer_tensors(layer).values()]
+        if not held:
+            raise ValueError("to_static needs a filled cache (run a prefill first)")
+        kda = [layer.conv_states[0] for layer in self.layers if is_kda_layer(layer) and layer.conv_states[0] is not None]
+        dtype = kda[0].dtype if kda else held[0].dtype
+        st = KimiHybridCache(self.config, max_cache_len=max_cache_len, batch_size=self.batch_size, dtype=dtype,
+                             device=held[0].device)
+        for a, b in zip(st.layers, self.layers):
+            if is_kda_layer(a):
+                kda_store(a, b.conv_states[0], b.recurrent_states[0], fixed=True)
+            else:
+                a.latent[:, :T].copy_(b.latent)
+        st.key_mask[:, :T].copy_(self.key_mask[:, :T])
+        st.seen_tokens = T
+        return st
+
     def fork(self, batch_repeats: int = 1) -> "KimiHybridCache":
         """An independent copy to continue from (an agent branch, or one shared prefix for many prompts): a
         :meth:`snapshot`, with every row repeated ``batch_repeats`` times (row order b0, b0, ..., b1, b1, ...)."""
@@ -1212,76 +1370,6 @@ class KimiHybridCache(Cache):
             self._pos = self._pos.to(device)
         return self
 
-    # -- a cache given by the caller -------------------------------------------------------------------------------
-    @classmethod
-    def from_user_cache(cls, cache: Any, config, use_cache: bool = True) -> Optional["KimiHybridCache"]:
-        """The cache a forward of a model with ``config`` should use, given the caller's ``past_key_values``.
-
-        * ``None``: a new dynamic :class:`KimiHybridCache` when ``use_cache``, else None.
-        * a :class:`KimiHybridCache` of this model: that object (it is filled in place and stays valid for the
-          caller's next call).
-        * an empty transformers ``DynamicCache`` (with or without ``config``) or ``StaticCache`` (its
-          ``max_cache_len``), exactly those classes: adopted in place: the caller's object becomes a
-          :class:`KimiHybridDynamicCache` / :class:`KimiHybridStaticCache` (still the same object, still a
-          ``DynamicCache`` / ``StaticCache``) and is filled by the forward, so the caller's next call with it
-          continues from it, as with any transformers model.
-        * anything else (a cache that already holds tokens, whose layout this model did not write; a quantized,
-          offloaded-static, encoder-decoder or other cache class; a legacy tuple): refused.
-
-        Raises:
-            ValueError: a refused cache (its class named, and what to pass instead), or a KimiHybridCache of a model
-                whose layer plan / widths differ (the differing fields named).
-        """
-        if cache is None:
-            return cls(config) if use_cache else None
-        if isinstance(cache, KimiHybridCache):
-            want = config_fingerprint(config)
-            if cache.fingerprint != want:
-                raise ValueError("past_key_values is a cache of another model (its layer plan / widths differ from "
-                                 f"this model's config: {_diff(cache.fingerprint, want)})")
-            return cache
-        fix = ("pass past_key_values=KimiHybridCache(model.config) (add max_cache_len=N for a static, compilable "
-               "cache; `from kimi_hybrid import KimiHybridCache`), an empty DynamicCache / StaticCache, or leave it "
-               "None and read the cache the model returns")
-        if type(cache) in (DynamicCache, StaticCache):
-            held = _tokens_held(cache)
-            if held == 0:
-                KimiHybridCache._adopt(cache, config)
-                return cache
-            raise ValueError(
-                f"past_key_values is a {type(cache).__name__} that already holds "
-                f"{'tokens' if held is None else f'{held} tokens'} written by another model or code path; KimiHybrid "
-                "can only fill an empty one (its own layout: KDA conv windows and fp32 recurrent states, MLA "
-                f"latents, the key-padding history) and never decodes into a replacement behind the caller's back: "
-                f"{fix}")
-        if isinstance(cache, Cache):
-            raise ValueError(
-                f"past_key_values is a {type(cache).__name__}; KimiHybrid keeps its state (KDA conv windows and fp32 "
-                "recurrent states, MLA latents, the key-padding history) in a KimiHybridCache (or an empty "
-                f"DynamicCache / StaticCache it adopts), which a {type(cache).__name__} cannot hold, and it never "
-                f"replaces the caller's cache behind its back: {fix}")
-        if isinstance(cache, (tuple, list)):
-            raise ValueError(f"past_key_values is a legacy {type(cache).__name__} of tensors, which KimiHybrid does "
-                             f"not read: {fix}")
-        raise ValueError(f"past_key_values must be a KimiHybridCache, an empty DynamicCache / StaticCache or None, "
-                         f"got {type(cache).__name__}: {fix}")
-
-    @staticmethod
-    def _adopt(cache: Cache, config) -> None:
-        """Turn an empty transformers ``DynamicCache`` / ``StaticCache`` into this model's cache, in place (same
-        object; its ``max_cache_len`` and ``offloading`` kept)."""
-        if isinstance(cache, StaticCache):
-            lens = {int(layer.max_cache_len) for layer in cache.layers if hasattr(layer, "max_cache_len")}
-            if len(lens) != 1:
-                raise ValueError(f"cannot adopt a StaticCache whose layers have capacities {sorted(lens)}")
-            max_len, kind = lens.pop(), KimiHybridStaticCache
-        else:
-            max_len, kind = None, KimiHybridDynamicCache
-        offloading = bool(getattr(cache, "offloading", False)) and max_len is None
-        cache.__class__ = kind
-        cache.__dict__.clear()
-        KimiHybridCache.__init__(cache, config, max_cache_len=max_len, offloading=offloading)
-
     # -- memory ----------------------------------------------------------------------------------------------------
     def memory_report(self) -> Dict[str, Any]:
         """Bytes held, per layer type and in total: the storage behind every tensor the cache holds, each storage
@@ -1365,17 +1453,6 @@ class KimiHybridStaticCache(KimiHybridCache, StaticCache):
             raise ValueError("KimiHybridStaticCache needs max_cache_len (a positive int); use KimiHybridCache(config) "
                              "for a dynamic cache")
         super().__init__(config, max_cache_len, *args, **kwargs)
-
-
-def _tokens_held(cache: Cache) -> Optional[int]:
-    """Tokens a transformers cache holds (0 when no layer holds a tensor), or None when it cannot tell."""
-    if not any(getattr(layer, "is_initialized", False) or any(getattr(layer, "is_conv_states_initialized", {}).values())
-               for layer in cache.layers):
-        return 0
-    try:
-        return int(cache.get_seq_length())
-    except Exception:  # noqa: BLE001 - a cache whose layers cannot report a length (e.g. linear layers only)
-        return None
 
 
 def layer_tensors(layer) -> Dict[str, torch.Tensor]:

@@ -91,6 +91,18 @@ def pop_cache_kwargs(kwargs: dict) -> Any:
     return resolve_cache_arg(kwargs.pop("past_key_values", None), kwargs.pop("cache", None))
 
 
+def linear_attention_states(cache: Any, layer_idx: int):
+    """``(conv_state, recurrent_state)`` of linear-attention layer ``layer_idx`` of a transformers cache, or ``(None,
+    None)`` before its first state: ``Cache.get_conv_state`` / ``get_recurrent_state`` where they exist (5.21 on),
+    else the layer's ``conv_states`` / ``recurrent_states`` (5.17-5.20, as their own models read them)."""
+    if not cache.has_previous_state(layer_idx):
+        return None, None
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(layer_idx), cache.get_recurrent_state(layer_idx)
+    layer = cache.layers[layer_idx]
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
 def output_cache(output: Any) -> Any:
     """The cache held by a ``ModelOutput`` of either transformers generation (no deprecation warning)."""
     return output.get(OUTPUT_CACHE_FIELD) if hasattr(output, "get") else getattr(output, OUTPUT_CACHE_FIELD, None)

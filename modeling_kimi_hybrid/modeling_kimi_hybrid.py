@@ -39,7 +39,8 @@ try:
 except ImportError:  # pragma: no cover
     init = nn.init
 
-from .cache_kimi_hybrid import FULL, LINEAR, KDARecord, KimiHybridCache, kda_store
+from .cache_kimi_hybrid import FULL, LINEAR, KimiHybridCache
+from .cache_view_kimi_hybrid import resolve_cache
 from .engine_kimi_hybrid import DecodeGraphs, generate_from_prefix, generate_with_graphs, prefill_prefix
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
 from .configuration_kimi_hybrid import KimiHybridConfig
@@ -83,19 +84,21 @@ def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
     return module.weight
 
 
-def _check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Raise ValueError for input ids that are not ``[batch, seq]`` integers with seq >= 1 and values in
-    ``[0, vocab_size)``. The range check reads two values back from the device, so it is skipped under torch.compile
-    and during CUDA-graph capture (where an out-of-range id is still caught by the eager steps before)."""
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int, values: bool = True) -> None:
+    """Raise ValueError for input ids that are not ``[batch, seq]`` integers (int32 / int64) with seq >= 1 and, with
+    ``values``, values in ``[0, vocab_size)``. The range check reads two values back from the device, so it is
+    skipped under torch.compile and during CUDA-graph capture (where an out-of-range id is still caught by the eager
+    steps before)."""
     if input_ids.dim() != 2:
         hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
                          "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
-    if _compiling() or _graph_capturing(input_ids):
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be integer token ids (torch.long or torch.int32), got dtype "
+                         f"{input_ids.dtype}")
+    if not values or _compiling() or _graph_capturing(input_ids):
         return
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_size:
@@ -321,20 +324,18 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         if token_mask is not None and token_mask.dim() == 3:
             return self._forward_visible(x, token_mask)
-        if cu_seqlens is not None:
-            if cache is not None and cache.seen_tokens > 0:
-                raise ValueError("packed sequences (cu_seqlens / position_ids restarts) cannot continue a cache")
-            y = self._forward_core(x.reshape(1, B * T, -1), None, None, None, cu_seqlens)
+        if cu_seqlens is not None:  # (the model runs packed documents without a cache)
+            y = self._forward_core(x.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
             return y.reshape(B, T, -1)
         if token_mask is None:
-            return self._forward_core(x, cache, None, None, None)
+            return self._forward_core(x, cache)
         if T == 1:  # one token (decode): nothing to move, the mask is the validity
-            y = self._forward_core(x, cache, token_mask, token_mask.sum(1), None, token_mask=token_mask)
+            y = self._forward_core(x, cache, token_mask, token_mask.sum(1), token_mask=token_mask)
             return y * token_mask.unsqueeze(-1).to(y.dtype)
         perm, lengths = _compact(token_mask)
         xc = x.gather(1, perm.unsqueeze(-1).expand_as(x))
         valid = torch.arange(T, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
-        yc = self._forward_core(xc, cache, valid, lengths, None, perm=perm, token_mask=token_mask)
+        yc = self._forward_core(xc, cache, valid, lengths, perm=perm, token_mask=token_mask)
         y = torch.zeros_like(yc).scatter(1, perm.unsqueeze(-1).expand_as(yc), yc)
         return y * token_mask.unsqueeze(-1).to(y.dtype)
 
@@ -349,21 +350,19 @@ class KimiDeltaAttention(nn.Module):
             outs = []
             for t in range(T):
                 idx = visible[b, t].nonzero().flatten()
-                outs.append(self._forward_core(x[b:b + 1, idx], None, None, None, None)[:, -1])
+                outs.append(self._forward_core(x[b:b + 1, idx])[:, -1])
             rows.append(torch.cat(outs, 0))
         return torch.stack(rows, 0)
 
-    def _forward_core(self, x, cache, valid, lengths, cu_seqlens, perm=None, token_mask=None):
+    def _forward_core(self, x, cache=None, valid=None, lengths=None, perm=None, token_mask=None, cu_seqlens=None):
+        """One KDA pass over ``x [B, T, D]`` (compacted: real tokens first, ``valid [B, T]`` / ``lengths [B]``),
+        reading and writing its states through the cache interface. Returns ``[B, T, D]``."""
         B, T, _ = x.shape
-        H, K, P, W = self.num_heads, self.head_dim, self.proj_dim, self.conv_size
-        layer = cache.layers[self.layer_idx] if cache is not None else None  # transformers' LinearAttentionLayer
-        # static buffers start at zero, which is the same as "no state": no length read in static mode
-        has_state = (layer is not None and layer.recurrent_states[0] is not None
-                     and (cache.static or cache.seen_tokens > 0))
+        H, K, P = self.num_heads, self.head_dim, self.proj_dim
+        conv_state, init_state = cache.kda_states(self.layer_idx) if cache is not None else (None, None)
         x_raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
         weight = self.conv_weight()
-        conv_state = layer.conv_states[0] if has_state else None
-        if has_state and T == 1:
+        if conv_state is not None and T == 1:
             y, new_window = short_conv_update(x_raw[:, 0], weight, conv_state)
             y = y.unsqueeze(1)
             if valid is not None:
@@ -383,22 +382,16 @@ class KimiDeltaAttention(nn.Module):
             g = g * vm.to(g.dtype)
             beta = beta * valid[..., None].to(beta.dtype)
         beta = beta.to(q.dtype) if q.is_cuda else beta
-        init_state = layer.recurrent_states[0] if has_state else None
-        want_state = cache is not None
-        record = cache is not None and cache.recording and cu_seqlens is None
-        if layer is not None and not record:
-            cache.records[self.layer_idx] = None  # a record must cover every token up to the current length
-        if record:
-            o, final = self._run_recording(q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm,
-                                           token_mask)
+        recorded = cache is not None and cu_seqlens is None and cache.is_recording_past(self.layer_idx)
+        if recorded:
+            tokens = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "x": x_raw}
+            o, final = cache.kda_run_recorded(self.layer_idx, self._run_with_state, tokens, init_state, conv_state,
+                                              perm, token_mask)
         else:
-            o, final = self._run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens)
+            o, final = self._run_kda(q, k, v, g, beta, init_state, cache is not None, cu_seqlens)
         if cache is not None:
-            kda_store(layer, new_window, final, fixed=cache.static)
-        if self.config.use_full_rank_gate:
-            gate = self.g_proj(x)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(x))
+            cache.kda_update(self.layer_idx, new_window, final, recorded=recorded)
+        gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o.reshape(B, T, H, K), gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, P))
 
@@ -419,44 +412,10 @@ class KimiDeltaAttention(nn.Module):
         return kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
                          cu_seqlens=cu_seqlens)
 
-    def _run_recording(self, q, k, v, g, beta, init_state, conv_state, x_raw, cache, layer, perm=None,
-                       token_mask=None):
-        """Run the step and keep the rollback record of the cache (module doc of cache_kimi_hybrid): append to the
-        record when it ends where this call starts and the call is shorter than ``kda_record_max_tokens`` (R), else
-        start a new record anchored ``min(T, R)`` tokens before the end of the call (the state there comes from
-        splitting the kernel call, no extra work). A padded call (``token_mask``; ``perm`` from the compaction) is
-        recorded in position order with its pads neutral (k = g = beta = 0), anchored at the start of the call."""
-        B, T = q.shape[:2]
-        R = max(1, int(self.config.kda_record_max_tokens))
-        start = cache.seen_tokens
-        tokens = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "x": x_raw}
-        if perm is not None:  # back to position order: pads land on their positions with k = g = beta = 0
-            tokens = {n: torch.zeros_like(t).scatter(1, perm.view(B, T, *([1] * (t.dim() - 2))).expand_as(t), t)
-                      for n, t in tokens.items()}
-        padded = token_mask is not None
-        tokens["valid"] = token_mask if padded else torch.ones(B, T, dtype=torch.bool, device=q.device)
-        rec = cache.records[self.layer_idx]
-        if rec is not None and rec.end == start and (T < R or padded):
-            o, final = self._run_kda(q, k, v, g, beta, init_state, True)
-            rec.extend(tokens, R)
-            return o, final
-        H, K, W = self.num_heads, self.head_dim, self.conv_size
-        split = 0 if padded else max(0, T - R)
-        S0 = init_state if init_state is not None else q.new_zeros(B, H, K, K, dtype=torch.float32)
-        W0 = conv_state if conv_state is not None else x_raw.new_zeros(B, x_raw.shape[-1], W)
-        outs = []
-        if split > 0:
-            o1, S0 = kda_chunk(q[:, :split], k[:, :split], v[:, :split], g[:, :split], beta[:, :split],
-                               initial_state=init_state, output_final_state=True)
-            outs.append(o1)
-            full = torch.cat([W0.to(x_raw.dtype), x_raw[:, :split].transpose(1, 2)], dim=-1)
-            W0 = full[..., full.shape[-1] - W:]
-        rest = [t[:, split:] for t in (q, k, v, g, beta)]
-        o2, final = self._run_kda(*rest, S0 if (split > 0 or init_state is not None) else None, True)
-        outs.append(o2)
-        cache.records[self.layer_idx] = KDARecord(start + split, S0, W0,
-                                                  {name: t[:, split:] for name, t in tokens.items()}, R)
-        return torch.cat(outs, 1) if len(outs) > 1 else o2, final
+    @classmethod
+    def _run_with_state(cls, q, k, v, g, beta, init_state):
+        """:meth:`_run_kda` returning the final state (the recorded step's kernel call)."""
+        return cls._run_kda(q, k, v, g, beta, init_state, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -904,28 +863,35 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             raise ValueError("is_causal=False: this is a causal language model (KDA is a causal recurrence); "
                              "bidirectional attention is not available")
         past_key_values = resolve_cache_arg(past_key_values, cache)
-        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        four_d = attention_mask is not None and attention_mask.dim() == 4
+        if four_d and past_key_values is not None:
+            raise ValueError("a 4-D attention_mask cannot be combined with a cache or packed documents: pass it "
+                             "with use_cache=False and no cache (or give a 2-D padding mask instead)")
+        cache = resolve_cache(past_key_values, self.config, use_cache and not four_d)
+        inputs_embeds = self._embed(input_ids, inputs_embeds, cache)
         B, T = inputs_embeds.shape[:2]
         cu_seqlens = _packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
                                          seq_idx, B, T)
         if output_attentions is None:
             output_attentions = bool(getattr(self.config, "output_attentions", False))
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.gradient_checkpointing and self.training:
-            use_cache = False
-        if attention_mask is not None and attention_mask.dim() == 4:
+        if four_d:
             # a custom 4-D mask (tree attention): MLA applies it, KDA runs each query over the tokens it sees
-            if past_key_values is not None or cu_seqlens is not None:
+            if cu_seqlens is not None:
                 raise ValueError("a 4-D attention_mask cannot be combined with a cache or packed documents: pass it "
                                  "with use_cache=False and no cache (or give a 2-D padding mask instead)")
-            cache, kda_cu_seqlens = None, None
+            kda_cu_seqlens = None
             kda_mask = _visible_from_4d_mask(attention_mask, B, T)
             mla_mask = kda_mask.unsqueeze(1)
         else:
             if attention_mask is not None and attention_mask.dim() == 2:  # the mask's own errors first
                 _check_attention_mask(attention_mask, B, T, 0, True)
             position_ids = _check_position_ids(position_ids, B, T)
-            cache = self._prepare_cache(past_key_values, use_cache, inputs_embeds)
+            if cache is not None:
+                cache.prepare(B, T, inputs_embeds.dtype, inputs_embeds.device,
+                              host_checks=not (_compiling() or _graph_capturing(inputs_embeds)))
             # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
             # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
             cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
@@ -940,44 +906,39 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         h = self.norm(self._exit_mix(stream))
         if kda_mask is not None and kda_mask.dim() == 2:
             h = self._repeat_last_real(h, kda_mask, cache)
-        if cache is not None and not cache.static:
-            cache.last_hidden = h[:, -1].detach().clone()
         if cache is not None:
-            cache.advance(h.shape[1])
-        return MoeModelOutputWithPast(last_hidden_state=h, **cache_field(cache if use_cache else None))
+            cache.end_forward(T, h[:, -1])
+        returned = cache.user_cache() if cache is not None and use_cache else None
+        return MoeModelOutputWithPast(last_hidden_state=h, **cache_field(returned))
 
     # -- forward steps, in call order -------------------------------------------------------------------------------
-    def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
-        """Checked ``inputs_embeds [B, T, D]`` from exactly one of ``input_ids`` / ``inputs_embeds``."""
+    def _embed(self, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], cache) -> torch.Tensor:
+        """Checked ``inputs_embeds [B, T, D]`` from exactly one of ``input_ids`` / ``inputs_embeds``. The id range
+        (a host read) is checked unless this is a one-token step on a filled cache (a decode step, whose ids come
+        from the model's own vocabulary in ``generate``; :meth:`check_input_ids` checks any ids on request)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if input_ids is not None:
-            _check_input_ids(input_ids, self.config.vocab_size)
+            decode = input_ids.dim() == 2 and input_ids.shape[1] == 1 and cache is not None and \
+                cache.host_length() != 0
+            check_input_ids(input_ids, self.config.vocab_size, values=not decode)
             return self.embed_tokens(input_ids)
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0:
-            raise ValueError(f"inputs_embeds must be [batch, seq, hidden] with seq >= 1, "
+        D = self.config.hidden_size
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0 or inputs_embeds.shape[-1] != D:
+            raise ValueError(f"inputs_embeds must be [batch, seq, hidden={D}] with seq >= 1, "
                              f"got {tuple(inputs_embeds.shape)}")
+        if not inputs_embeds.is_floating_point():
+            raise ValueError(f"inputs_embeds must be floating point, got dtype {inputs_embeds.dtype}")
         return inputs_embeds
 
-    def _prepare_cache(self, past_key_values, use_cache: bool, inputs_embeds: torch.Tensor
-                       ) -> Optional[KimiHybridCache]:
-        """The :class:`KimiHybridCache` this call reads and writes (an empty transformers cache is replaced, a new
-        one made for ``use_cache``), checked against this model and allocated for the input's batch / dtype."""
-        B, T, _ = inputs_embeds.shape
-        cache = KimiHybridCache.from_user_cache(past_key_values, self.config, use_cache=use_cache)
-        if cache is None:
-            return None
-        static = cache.static
-        cache.ensure_allocated(B, inputs_embeds.dtype, inputs_embeds.device)
-        if not static and cache.batch_size is not None and cache.seen_tokens > 0 and cache.batch_size != B:
-            raise ValueError(f"the cache holds batch {cache.batch_size} but the input has batch {B}")
-        # (static length = the device counter: not read under compile, nor while a CUDA graph is captured,
-        # where a host read is illegal; engine_kimi_hybrid.GraphDecoder checks the room on the host instead)
-        if (static and not _compiling() and not _graph_capturing(inputs_embeds)
-                and cache.seen_tokens + T > cache.max_cache_len):
-            raise ValueError(f"the static cache holds {cache.seen_tokens} of max_cache_len={cache.max_cache_len} "
-                             f"tokens and cannot take {T} more")
-        return cache
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Check ``input_ids [B, T]`` (integers in ``[0, vocab_size)``; one host read). ``generate`` calls it once
+        on the prompt; decode steps skip it.
+
+        Raises:
+            ValueError: as the forward's input check.
+        """
+        check_input_ids(input_ids, self.config.vocab_size)
 
     def _build_masks(self, attention_mask, position_ids, cu_seqlens, cache, cache_given: bool,
                      inputs_embeds: torch.Tensor):
@@ -990,18 +951,18 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         the caller gave one. The cache's key mask is updated with this call's tokens.
         """
         B, T, device = inputs_embeds.shape[0], inputs_embeds.shape[1], inputs_embeds.device
-        static = cache is not None and cache.static
-        # static mode never reads the Python length here (a compiled decode step must not specialise on it): its
-        # positions come from the device counter cache._pos, and its zero-initialised buffers act as "no state"
-        past = 0 if cache is None or static else cache.seen_tokens
-        token_mask = None
+        # a static cache's length lives in a device counter (never read here: a compiled decode step must not
+        # specialise on it); its zero-initialised buffers act as "no state"
+        length = cache.host_length() if cache is not None else 0
+        static = length is None
+        past = length or 0
+        decode = T == 1 and past > 0
+        token_mask = history = None
         if attention_mask is not None:
             _check_attention_mask(attention_mask, B, T, past, static)
             token_mask = attention_mask[:, -T:].bool()
-            if attention_mask.shape[1] == past + T and cache is not None and cache.key_mask is not None \
-                    and not static and past > 0:
-                # trust the caller's history for earlier pads
-                cache.key_mask = attention_mask[:, :past].bool() & cache.key_mask
+            if attention_mask.shape[1] == past + T and past > 0:
+                history = attention_mask[:, :past]  # the caller's view of earlier pads
         segs = _packed_segments(cu_seqlens, position_ids, B, device) if (
             cu_seqlens is not None or (attention_mask is None and past == 0 and not static)) else None
         kda_cu = None
@@ -1014,20 +975,26 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
             kda_cu = _cu_seqlens_from_segments(segs, T)
             token_mask = None
         full_mask = token_mask
-        # static mode and tracing (torch.compile / torch.export) keep the masks: pure tensor ops, no host read
+        # static mode, decode steps and tracing (torch.compile / torch.export) keep the masks: pure tensor ops, no
+        # host read
         traced = static or _compiling()
-        if token_mask is not None and not traced and bool(token_mask.all()):
+        if token_mask is not None and not traced and not decode and bool(token_mask.all()):
             token_mask = None
         if cache is not None:
-            keys_valid = cache.update_key_mask(full_mask if full_mask is not None else
-                                               torch.ones(B, T, dtype=torch.bool, device=device))
+            new = full_mask if full_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+            keys_valid = cache.update_key_mask(new, history)
+            if full_mask is not None and past > 0 and T > 1 and cache.last_hidden_state() is None \
+                    and not cache.keeps_padding_history() and not bool(full_mask.any(1).all()):
+                raise ValueError("a row of this call holds only padding, and a transformers cache keeps no hidden "
+                                 "state of earlier tokens to predict from: pass past_key_values=KimiHybridCache("
+                                 "model.config), or leave such rows out of the call")
         else:
             keys_valid = full_mask
         mla_mask = None
         need_mask = (static or segs is not None or past > 0
                      or (keys_valid is not None and (traced or not bool(keys_valid.all()))))
         if FULL in self.config.layer_types and need_mask:
-            if (T > 1 and past > 0 and segs is None and token_mask is None and not cache.static
+            if (T > 1 and past > 0 and segs is None and token_mask is None and not static
                     and not traced and bool(keys_valid.all())):
                 # chunked prefill through a cache without padding: bottom-right causal, never materialised (SDPA
                 # runs it in its fused kernels; a dense [T, past + T] mask would not fit at long context)
@@ -1035,18 +1002,16 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
 
                 mla_mask = causal_lower_right(T, past + T)
             else:
-                mla_mask = self._mla_mask(B, T, past, keys_valid, segs, cache, device)
+                mla_mask = self._mla_mask(B, T, keys_valid, segs, cache, device)
         return cache, token_mask, kda_cu, mla_mask
 
     @staticmethod
-    def _mla_mask(B, T, past, keys_valid, segs, cache, device):
+    def _mla_mask(B, T, keys_valid, segs, cache, device):
         """Bool ``[B, 1, T, T_keys]``: causal, key padding, same document; a fully masked row may see itself."""
-        if cache is not None and cache.static:
-            Tk = cache.max_cache_len
-            q_abs = cache._pos + torch.arange(T, device=device)
+        if cache is not None:
+            Tk, q_abs = cache.mask_geometry(T, device)
         else:
-            Tk = past + T
-            q_abs = past + torch.arange(T, device=device)
+            Tk, q_abs = T, torch.arange(T, device=device)
         k_idx = torch.arange(Tk, device=device)
         m = (k_idx.view(1, Tk) <= q_abs.view(T, 1)).unsqueeze(0).expand(B, T, Tk)
         if keys_valid is not None:
@@ -1066,7 +1031,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         return attn_res_mix(stream[0], list(stream[1:]), w, self.output_attn_res_norm.weight, self.config.rms_norm_eps)
 
     @staticmethod
-    def _repeat_last_real(h: torch.Tensor, token_mask: torch.Tensor, cache: Optional[KimiHybridCache]) -> torch.Tensor:
+    def _repeat_last_real(h: torch.Tensor, token_mask: torch.Tensor, cache) -> torch.Tensor:
         """A pad's output repeats the output of its row's last real token before it (in this call, else the one the
         dynamic cache kept), so the last position of a right-padded row predicts that row's next token (generate
         reads logits[:, -1]), also when the last piece of a chunked prefill is all padding. ``h [B, T, D]``."""
@@ -1075,8 +1040,9 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         last = torch.where(token_mask, pos, torch.full_like(pos, -1)).cummax(1).values
         src = torch.where(last >= 0, last, pos)
         h = h.gather(1, src.unsqueeze(-1).expand_as(h))
-        if cache is not None and not cache.static and cache.last_hidden is not None:
-            h = torch.where((last < 0).unsqueeze(-1), cache.last_hidden.unsqueeze(1).to(h.dtype), h)
+        kept = cache.last_hidden_state() if cache is not None else None
+        if kept is not None:
+            h = torch.where((last < 0).unsqueeze(-1), kept.unsqueeze(1).to(h.dtype), h)
         return h
 
 
@@ -1345,7 +1311,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         user = pop_cache_kwargs(model_kwargs)  # either name (transformers 5.24 renamed it to `cache`)
         if user is not None:
             model_kwargs[GENERATION_CACHE_NAME] = user
-            KimiHybridCache.from_user_cache(user, self.config)._is_user_defined = True
+            resolve_cache(user, self.config, True)  # refused here, before generation starts, if it cannot serve
+            user._is_user_defined = True  # transformers' own mark: generate returns a cache the user passed
             return
         if generation_config.use_cache is False:
             return

@@ -221,58 +221,91 @@ def test_offload_prefetch_dynamic_and_refused_static(preset):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# a transformers cache passed in: an empty DynamicCache / StaticCache is filled in place, anything else refused;
-# never silently replaced
+# a transformers cache passed in: a DynamicCache(config=...) / StaticCache(config=...), empty or filled, is used as
+# it is (same object, same class) through transformers' cache API; anything it cannot serve is refused; never
+# silently replaced
 # ---------------------------------------------------------------------------------------------------------------
 
-def _empty_transformers_caches(cfg, max_len=16):
-    return {"DynamicCache(config)": DynamicCache(config=cfg), "DynamicCache()": DynamicCache(),
+def _transformers_caches(cfg, max_len=16):
+    return {"DynamicCache(config)": DynamicCache(config=cfg),
             "StaticCache": StaticCache(config=cfg, max_cache_len=max_len)}
 
 
 def _refused_caches(cfg):
     from transformers.cache_utils import EncoderDecoderCache
 
-    filled = DynamicCache()
-    filled.update(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), 0)
-    return {"filled DynamicCache": filled, "EncoderDecoderCache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
+    foreign = DynamicCache(config=cfg)  # per-head K/V of another model in an MLA layer
+    mla = cfg.layer_types.index("full_attention")
+    foreign.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), mla)
+    return {"DynamicCache()": DynamicCache(), "foreign DynamicCache": foreign,
+            "EncoderDecoderCache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
 
 
 @pytest.mark.parametrize("preset", ORDERS)
-def test_empty_transformers_cache_is_filled_in_place(preset):
-    """The caller's DynamicCache / StaticCache object itself is filled (it becomes this model's cache class and
-    stays a DynamicCache / StaticCache), and the caller's next call with it continues from it: logits equal one
-    full forward without a cache."""
+def test_transformers_cache_used_as_is(preset):
+    """The caller's DynamicCache / StaticCache object is filled as it is (same object, same class, transformers'
+    own layers), and the caller's next calls with it (one token at a time, then a chunk) continue from it: logits
+    equal one full forward without a cache (fp32, <= 1e-5)."""
     m = get_model(preset)
-    ids = rand_ids(2, 10, seed=47)
+    ids = rand_ids(2, 12, seed=47)
     full = logits_nocache(m, ids)
-    for name, cache in _empty_transformers_caches(m.config).items():
-        static = isinstance(cache, StaticCache)
+    for name, cache in _transformers_caches(m.config).items():
+        kind, layer_kinds = type(cache), [type(layer) for layer in cache.layers]
         with torch.no_grad():
             out = m(ids[:, :6], past_key_values=cache, use_cache=True)
-            assert out.past_key_values is cache, name
-            assert isinstance(cache, KimiHybridCache) and isinstance(cache, StaticCache if static else DynamicCache)
-            assert cache.get_seq_length() == 6 and cache.static == static
-            if static:
-                assert cache.max_cache_len == 16
-            nxt = [m(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 10)]
+            assert out.past_key_values is cache and type(cache) is kind, name
+            assert [type(layer) for layer in cache.layers] == layer_kinds, name
+            assert int(cache.get_seq_length()) == 6
+            nxt = [m(ids[:, t:t + 1], past_key_values=cache).logits for t in range(6, 9)]
+            nxt.append(m(ids[:, 9:], past_key_values=cache).logits)  # a filled cache continued by a chunk
         got = torch.cat([out.logits] + nxt, 1)
         assert (got - full).abs().max().item() <= ATOL, name
-        assert cache.get_seq_length() == 10
+        assert int(cache.get_seq_length()) == 12 and type(cache) is kind
+        for i, t in enumerate(m.config.layer_types):
+            layer = cache.layers[i]
+            if t == "linear_attention":
+                assert type(layer) is LinearAttentionLayer and layer.recurrent_states[0].dtype == torch.float32
+            else:  # the MLA latent: keys = c_kv [B, 1, T, r], values = k_pe [B, 1, T, rope]
+                assert layer.keys.shape[1] == 1 and layer.keys.shape[-1] == m.config.kv_lora_rank
+                assert layer.values.shape[-1] == m.config.qk_rope_head_dim
 
 
 @pytest.mark.parametrize("preset", ORDERS)
-def test_empty_transformers_cache_through_generate(preset):
+def test_transformers_cache_left_padded_with_full_mask(preset):
+    """A transformers cache keeps no padding history: with the whole mask passed on every call (transformers'
+    convention) a left-padded batch continues exactly as a KimiHybridCache does."""
+    m = get_model(preset)
+    ids = rand_ids(2, 9, seed=50)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        ours, plain = KimiHybridCache(m.config), DynamicCache(config=m.config)
+        a = [m(ids[:, :6], attention_mask=mask[:, :6], past_key_values=ours).logits]
+        b = [m(ids[:, :6], attention_mask=mask[:, :6], past_key_values=plain).logits]
+        for t in range(6, 9):
+            a.append(m(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=ours).logits)
+            b.append(m(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=plain).logits)
+    a, b = torch.cat(a, 1), torch.cat(b, 1)
+    real = mask.bool()
+    assert (a - b)[real].abs().max().item() <= ATOL
+    with pytest.raises(ValueError, match="holds only padding"):
+        pad = torch.tensor([[1, 1], [0, 0]])
+        m(ids[:, :2], attention_mask=torch.cat([mask, pad], 1), past_key_values=plain)
+
+
+@pytest.mark.parametrize("preset", ORDERS)
+def test_transformers_cache_through_generate(preset):
     m = get_model(preset)
     ids = rand_ids(1, 5, seed=48)
     seq = ids
     for _ in range(4):
         seq = torch.cat([seq, logits_nocache(m, seq)[:, -1:].argmax(-1)], 1)
-    for name, cache in _empty_transformers_caches(m.config).items():
+    for name, cache in _transformers_caches(m.config).items():
+        kind = type(cache)
         out = gen(m, ids, max_new_tokens=4, past_key_values=cache, return_dict_in_generate=True)
-        assert out.past_key_values is cache and isinstance(cache, KimiHybridCache), name
+        assert out.past_key_values is cache and type(cache) is kind, name
         assert torch.equal(out.sequences, seq), name
-        assert cache.get_seq_length() == seq.shape[1] - 1
+        assert int(cache.get_seq_length()) == seq.shape[1] - 1
     # without a cache, generate builds its own (a KimiHybridCache, a DynamicCache) and it equals recomputation
     out = gen(m, ids, max_new_tokens=4, return_dict_in_generate=True)
     assert isinstance(out.past_key_values, KimiHybridCache) and isinstance(out.past_key_values, DynamicCache)
@@ -290,8 +323,16 @@ def test_other_caches_refused(preset):
                 m(ids, past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="KimiHybridCache"):
             gen(m, ids, max_new_tokens=3, past_key_values=cache)
-    with pytest.raises(ValueError, match="already holds 3 tokens"):
-        m(ids, past_key_values=_refused_caches(m.config)["filled DynamicCache"])
+    with pytest.raises(ValueError, match="needs config= to build them"):
+        m(ids, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match="filled by another model"):
+        m(ids, past_key_values=_refused_caches(m.config)["foreign DynamicCache"])
+    recording = DynamicCache(config=m.config)
+    for layer in recording.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            layer.activate_past_recording()
+    with pytest.raises(ValueError, match="records its past for rollback"):
+        m(ids, past_key_values=recording)
     with pytest.raises(ValueError, match="legacy tuple"):
         m(ids, past_key_values=((torch.zeros(1),),))
 
