@@ -31,85 +31,22 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .cache_kimi_hybrid import KimiHybridCache, is_kda_layer, kda_store, kda_tensors, layer_tensors
+from .cache_kimi_hybrid import KimiHybridCache
 from .compat_kimi_hybrid import CACHE_NAMES, GENERATION_CACHE_NAME
 
-__all__ = ["CudaGraphCapture", "DecodeGraphs", "EagerCapture", "GraphDecoder", "generate_from_prefix",
-           "generate_with_graphs", "load_static", "prefill_prefix", "prefill_to_static", "store_cache",
-           "to_static_cache"]
+__all__ = ["CudaGraphCapture", "DecodeGraphs", "EagerCapture", "GraphDecoder", "check_cache_extends",
+           "generate_from_prefix", "generate_with_graphs", "prefill_prefix", "prefill_to_static", "to_static_cache"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # static-cache conversion
 # ----------------------------------------------------------------------------------------------------------------
 
-def _cache_dtype(cache: KimiHybridCache) -> torch.dtype:
-    """The model dtype of a filled cache (its KDA conv windows or MLA latents; fp32 recurrent states otherwise)."""
-    conv = next((layer_tensors(l).get("conv_state") for l in cache.layers if is_kda_layer(l)
-                 and "conv_state" in layer_tensors(l)), None)
-    lat = next((l.latent for l in cache.layers if not is_kda_layer(l) and l.latent is not None), None)
-    ref = next(t for layer in cache.layers for t in layer_tensors(layer).values())
-    return (conv if conv is not None else lat if lat is not None else ref).dtype
-
-
-def load_static(dst: KimiHybridCache, src: KimiHybridCache) -> None:
-    """Make the allocated static cache ``dst`` hold the state of ``src`` (dynamic or static, same batch), in place:
-    ``dst``'s buffers keep their addresses (a captured graph stays valid); its rows past ``src``'s length are zeroed.
-
-    Raises:
-        ValueError: ``src`` holds more tokens than ``dst`` can, or another batch size.
-    """
-    T = src.seen_tokens
-    if T > dst.max_cache_len:
-        raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={dst.max_cache_len}")
-    if src.batch_size != dst.batch_size:
-        raise ValueError(f"the cache holds batch {src.batch_size}, the static cache batch {dst.batch_size}")
-    dst.reset()
-    for a, b in zip(dst.layers, src.layers):
-        if is_kda_layer(a):
-            tb = kda_tensors(b)
-            for name, t in kda_tensors(a).items():
-                if name in tb:
-                    t.copy_(tb[name])
-            a.has_previous_state[0] = b.has_previous_state[0]
-        elif b.latent is not None:
-            a.latent[:, :T].copy_(b.latent[:, :T])
-    if src.key_mask is not None:
-        dst.key_mask[:, :T].copy_(src.key_mask[:, :T])
-    if src.recording:
-        dst.activate_past_recording()
-    dst.seen_tokens = T
-
-
-def store_cache(dst: KimiHybridCache, src: KimiHybridCache) -> None:
-    """Copy the state of the static cache ``src`` back into ``dst`` (the request's own cache): a dynamic ``dst``
-    gets tensors of exactly ``src``'s length, a static one is written in place (see :func:`load_static`)."""
-    if dst.static:
-        load_static(dst, src)
-        return
-    T = src.seen_tokens
-    for a, b in zip(dst.layers, src.layers):
-        if is_kda_layer(a):
-            t = kda_tensors(b)
-            kda_store(a, t["conv_state"].clone(), t["recurrent_state"].clone())
-            a.has_previous_state[0] = b.has_previous_state[0]
-        else:
-            a.latent = b.latent[:, :T].clone()
-    dst.key_mask = src.key_mask[:, :T].clone()
-    dst.last_hidden = None  # (a static cache keeps none; a decode step's new token is always real)
-    dst.seen_tokens = T
-
-
 def to_static_cache(cache: KimiHybridCache, max_cache_len: int) -> KimiHybridCache:
     """A new static cache of ``max_cache_len`` positions holding the state of the filled ``cache`` (same batch,
-    dtype and device). Raises ValueError if the cache holds more tokens than ``max_cache_len``."""
-    if cache.seen_tokens > max_cache_len:
-        raise ValueError(f"the cache holds {cache.seen_tokens} tokens, more than max_cache_len={max_cache_len}")
-    device = next(t for layer in cache.layers for t in layer_tensors(layer).values()).device
-    st = KimiHybridCache(cache.config, max_cache_len=max_cache_len, batch_size=cache.batch_size,
-                         dtype=_cache_dtype(cache), device=device)
-    load_static(st, cache)
-    return st
+    dtype and device; :meth:`KimiHybridCache.to_static`). Raises ValueError if the cache holds more tokens than
+    ``max_cache_len``."""
+    return cache.to_static(max_cache_len)
 
 
 @torch.no_grad()
@@ -271,7 +208,7 @@ class DecodeGraphs:
         origin, slot = self._origin, self._slot
         self._active, self._origin, self._slot, self._position = False, None, None, None
         if origin is not None:
-            store_cache(origin, slot.cache)
+            origin.copy_state_from(slot.cache)
             slot.cache.reset()
         return origin
 
@@ -288,7 +225,7 @@ class DecodeGraphs:
         if not self._active or self._inside:
             return None
         ok = (eligible and input_ids is not None and input_ids.dim() == 2 and input_ids.shape[1] == 1
-              and isinstance(cache, KimiHybridCache) and not cache.recording and not cache.offloading
+              and isinstance(cache, KimiHybridCache) and not cache.is_recording_past() and not cache.offloading
               and self.supports(input_ids.device))
         if not ok:
             if self.workspace(cache):
@@ -315,21 +252,21 @@ class DecodeGraphs:
             held = cache.seen_tokens  # one host read per generate call
             if held == 0:
                 return None
-            cap = cache.max_cache_len if cache.static else self.bucket(held + 1)
+            cap = cache.max_cache_len if cache.is_compileable else self.bucket(held + 1)
             if held + 1 > cap:
                 return None  # the eager step raises the static cache's overflow error
             self._origin, self._position = cache, held
             self._slot = self._get(input_ids.shape[0], cap, input_ids.device)
-            load_static(self._slot.cache, cache)
+            self._slot.cache.copy_state_from(cache)
             return self._slot
         if self._position is None:
             self._position = cache.seen_tokens
         slot = self._slot
         if self._position + 1 > slot.capacity:
-            if self._origin.static:
+            if self._origin.is_compileable:
                 return None
             new = self._get(input_ids.shape[0], self.bucket(self._position + 1), input_ids.device)
-            load_static(new.cache, slot.cache)
+            new.cache.copy_state_from(slot.cache)
             slot.cache.reset()
             self._slot = slot = new
         return slot
@@ -384,6 +321,9 @@ def generate_with_graphs(model, generate: Callable, args: tuple, kwargs: dict, c
     ``cuda_graphs`` (None: the generation config's ``cuda_graphs`` field, default True) and the model's device
     supports them; see the module doc."""
     check_cache_extends(model, args, kwargs)
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and not prompt.is_floating_point():
+        model.get_decoder().check_input_ids(prompt)  # once per call: decode steps read no ids back to the host
     if cuda_graphs is None:
         gc = kwargs.get("generation_config")
         cuda_graphs = getattr(gc, "cuda_graphs", None) if gc is not None else None
@@ -474,7 +414,7 @@ class GraphDecoder:
     """
 
     def __init__(self, model, cache: KimiHybridCache, warmup: int = 2, compile: bool = False, capture=None):
-        if not cache.static:
+        if not cache.is_compileable:
             raise ValueError("GraphDecoder needs a static KimiHybridCache (max_cache_len=...)")
         seen = cache.seen_tokens
         if seen == 0:
@@ -482,8 +422,8 @@ class GraphDecoder:
         if seen + 1 > cache.max_cache_len:
             raise ValueError("the static cache is full")
         self.model, self.cache = model, cache
-        ref = next(t for layer in cache.layers for t in layer_tensors(layer).values())
-        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=ref.device)
+        device = next(model.parameters()).device
+        self.ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=device)
         snap = cache.snapshot()
 
         def one_step():
@@ -492,7 +432,7 @@ class GraphDecoder:
         self.compiled = bool(compile)
         fn = torch.compile(one_step, dynamic=False) if compile else one_step
         capture = capture if capture is not None else CudaGraphCapture(warmup=max(warmup, 2 if compile else 1))
-        self._replay, self.logits, self.graph_bytes = capture(fn, ref.device)
+        self._replay, self.logits, self.graph_bytes = capture(fn, device)
         cache.restore(snap)  # in place: the buffers and the counter as before the warm-up and capture
         self.position = seen
 

@@ -9,8 +9,8 @@ capacity with the rows past the length masked: the same values, summed in anothe
 
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
-from transformers import StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from decoding_helpers import PAD, gen, rand_ids, tiny_random_model, _one_thread  # noqa: F401
@@ -240,6 +240,7 @@ def test_assisted_and_prompt_lookup_equal_eager(mode):
     eager, graph = both(model, ids, **kw)
     plain = gen(model, ids, max_new_tokens=16, cuda_graphs=False)
     assert torch.equal(eager, graph) and torch.equal(graph, plain)
+    assert cap.replays == 0  # the caches record their rollback history (host-side): eager by design
 
 
 def test_user_cache_fast_path_and_reuse():
@@ -294,13 +295,16 @@ def test_generate_from_prefix_fast_path():
     assert torch.equal(a, b) and cap.replays == 7 and pc.get_seq_length() == 9
 
 
-def test_transformers_dynamic_cache_is_honoured():
+@pytest.mark.parametrize("kind", ["DynamicCache", "StaticCache"])
+def test_transformers_cache_is_honoured_on_the_eager_path(kind):
+    """A transformers cache is used as it is (never replaced by a workspace): its steps run eagerly."""
     model, cap = graph_model()
     ids = rand_ids(1, 6)
-    c = DynamicCache()
+    c = DynamicCache(config=model.config) if kind == "DynamicCache" else StaticCache(
+        config=model.config, max_cache_len=32)
     out = gen(model, ids, max_new_tokens=6, **{GENERATION_CACHE_NAME: c})
     assert torch.equal(out, gen(model, ids, max_new_tokens=6, cuda_graphs=False))
-    assert c.get_seq_length() == 11  # the caller's object holds the result
+    assert type(c).__name__ == kind and c.get_seq_length() == 11 and cap.replays == 0
 
 
 def test_opt_out_flag_and_generation_config_field_and_unknown_keyword():
