@@ -74,7 +74,7 @@ class CudaGraphCapture:
     ``(replay, output, nbytes)``: ``replay()`` reruns the captured kernels, ``output`` is the static tensor they
     write, ``nbytes`` the device memory the capture took (its private pool)."""
 
-    def __init__(self, warmup: int = 1):
+    def __init__(self, warmup: int = 2):
         self.warmup = int(warmup)
 
     @staticmethod
@@ -127,8 +127,9 @@ class _GraphSlot:
     """One captured decode step: a static workspace cache of ``capacity`` tokens for ``batch`` rows, the input ids
     buffer ``[batch, 1]`` and the captured step writing logits ``[batch, 1, V]``."""
 
-    def __init__(self, model, batch: int, capacity: int, dtype: torch.dtype, device: torch.device, capture):
-        self.capacity = capacity
+    def __init__(self, model, key: Tuple, batch: int, capacity: int, dtype: torch.dtype, device: torch.device,
+                 capture):
+        self.key, self.capacity = key, capacity
         self.cache = KimiHybridCache(model.config, max_cache_len=capacity, batch_size=batch, dtype=dtype,
                                      device=device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -151,13 +152,19 @@ class DecodeGraphs:
     """The CUDA-graph decode steps of one model, cached per (batch, capacity bucket, dtype, device).
 
     ``capture``: the graph object (:class:`CudaGraphCapture` by default; :class:`EagerCapture` runs the machinery on
-    any device). ``min_bucket``: the smallest capacity in tokens; buckets are powers of two above it.
+    any device). ``min_bucket``: the smallest capacity in tokens; buckets are powers of two above it up to
+    ``bucket_step``, multiples of ``bucket_step`` beyond (see :meth:`bucket`). A request that outgrows its bucket
+    moves to the next one and frees the smaller slot of its batch size (one workspace per long request).
     """
 
-    def __init__(self, model, capture=None, min_bucket: int = 1024):
+    def __init__(self, model, capture=None, min_bucket: int = 1024, bucket_step: int = 16384):
         self.model = model
         self.capture = capture if capture is not None else CudaGraphCapture()
         self.min_bucket = int(min_bucket)
+        self.bucket_step = int(bucket_step)
+        # size the first bucket for the request's max_length (generate states it), so it never grows mid-request
+        self.size_for_request = True
+        self._expected: Optional[int] = None
         self.slots: Dict[Tuple, _GraphSlot] = {}
         self._active = False  # inside a generate call
         self._inside = False  # running the step itself (capture / replay): the forward must not re-enter
@@ -176,8 +183,12 @@ class DecodeGraphs:
         return self.capture.supports(device)
 
     def bucket(self, tokens: int) -> int:
-        """The capacity bucket for ``tokens`` positions: the smallest power of two >= both and ``min_bucket``."""
-        return max(self.min_bucket, 1 << max(int(tokens) - 1, 0).bit_length())
+        """The capacity bucket for ``tokens`` positions: the smallest power of two >= ``tokens`` and ``min_bucket``
+        up to ``bucket_step``, above it the next multiple of ``bucket_step`` (a 128K context does not double)."""
+        pow2 = max(self.min_bucket, 1 << max(int(tokens) - 1, 0).bit_length())
+        if pow2 <= self.bucket_step:
+            return pow2
+        return -(-int(tokens) // self.bucket_step) * self.bucket_step
 
     def memory(self) -> Dict[str, Any]:
         """``{"graphs": n, "total_bytes": ..., "slots": [{"batch", "capacity", "dtype", "bytes"}, ...]}``: what the
@@ -200,7 +211,13 @@ class DecodeGraphs:
     # -- one generate call ---------------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start a generate call: decode steps may take graphs from now on."""
-        self._active, self._origin, self._slot, self._position = True, None, None, None
+        self._active, self._origin, self._slot, self._position, self._expected = True, None, None, None, None
+
+    def expect_length(self, max_length: Optional[int]) -> None:
+        """The generate call's ``max_length`` (prompt + new tokens): the cache holds at most ``max_length - 1``
+        tokens, and the first bucket is sized for them (when ``size_for_request``)."""
+        if self._active and max_length is not None and self.size_for_request:
+            self._expected = int(max_length) - 1
 
     def end(self) -> Optional[KimiHybridCache]:
         """End a generate call: copy the workspace's state back into the request's cache, which is returned (None
@@ -252,7 +269,7 @@ class DecodeGraphs:
             held = cache.seen_tokens  # one host read per generate call
             if held == 0:
                 return None
-            cap = cache.max_cache_len if cache.is_compileable else self.bucket(held + 1)
+            cap = cache.max_cache_len if cache.is_compileable else self.bucket(max(held + 1, self._expected or 0))
             if held + 1 > cap:
                 return None  # the eager step raises the static cache's overflow error
             self._origin, self._position = cache, held
@@ -267,7 +284,7 @@ class DecodeGraphs:
                 return None
             new = self._get(input_ids.shape[0], self.bucket(self._position + 1), input_ids.device)
             new.cache.copy_state_from(slot.cache)
-            slot.cache.reset()
+            del self.slots[slot.key]  # outgrown: its workspace would only hold memory during this request
             self._slot = slot = new
         return slot
 
@@ -277,7 +294,7 @@ class DecodeGraphs:
         if key not in self.slots:
             self._inside = True
             try:
-                self.slots[key] = _GraphSlot(self.model, batch, capacity, dtype, device, self.capture)
+                self.slots[key] = _GraphSlot(self.model, key, batch, capacity, dtype, device, self.capture)
             finally:
                 self._inside = False
         return self.slots[key]

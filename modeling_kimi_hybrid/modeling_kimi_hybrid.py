@@ -1308,6 +1308,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Build a :class:`KimiHybridCache` (static when ``cache_implementation="static"``) instead of transformers'
         DynamicCache / StaticCache."""
+        self.decode_graphs().expect_length(generation_config.max_length)  # sizes the graph steps' first bucket
         user = pop_cache_kwargs(model_kwargs)  # either name (transformers 5.24 renamed it to `cache`)
         if user is not None:
             model_kwargs[GENERATION_CACHE_NAME] = user

@@ -64,16 +64,36 @@ def seqs(out):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_greedy_equal_through_bucket_growth(preset):
     model, cap = graph_model(preset)
+    model.decode_graphs().size_for_request = False  # start from the prompt's bucket: grow through three
     ids = rand_ids(2, 12)
     eager, graph = both(model, ids, max_new_tokens=40)
     assert torch.equal(eager, graph)
     assert cap.replays == 39  # every decode step replayed (the first token comes from the prefill)
-    caps = sorted(s["capacity"] for s in model.cuda_graphs_memory()["slots"])
-    assert caps == [16, 32, 64]  # 12 -> 52 positions: one graph per bucket
-    # cached across calls: the same request captures nothing new
-    n = cap.captures
+    # 12 -> 52 positions: one graph per bucket (16, 32, 64); each outgrown slot is freed
+    assert cap.captures == 3 and [s["capacity"] for s in model.cuda_graphs_memory()["slots"]] == [64]
+    # cached across calls: the same request captures nothing new (it starts in the 16 bucket again: one capture)
+    n = cap.captures + 2
     graph2 = gen(model, ids, max_new_tokens=40)
     assert torch.equal(graph2, eager) and cap.captures == n
+
+
+def test_first_bucket_sized_for_the_request():
+    model, cap = graph_model()
+    ids = rand_ids(2, 12)
+    eager, graph = both(model, ids, max_new_tokens=40)  # at most 51 cached tokens: the 64 bucket at once
+    assert torch.equal(eager, graph) and cap.captures == 1 and cap.replays == 39
+    assert [s["capacity"] for s in model.cuda_graphs_memory()["slots"]] == [64]
+    graph2 = gen(model, rand_ids(2, 20, seed=7), max_new_tokens=30)  # 49: the same bucket, no new capture
+    assert cap.captures == 1 and torch.equal(graph2, gen(model, rand_ids(2, 20, seed=7), max_new_tokens=30,
+                                                         cuda_graphs=False))
+
+
+def test_buckets():
+    graphs = tiny_random_model().decode_graphs()
+    graphs.min_bucket, graphs.bucket_step = 16, 64
+    assert [graphs.bucket(n) for n in (1, 16, 17, 33, 64, 65, 129)] == [16, 16, 32, 64, 64, 128, 192]
+    graphs = tiny_random_model().decode_graphs()  # the defaults: 1K minimum, powers of two to 16K, then 16K steps
+    assert [graphs.bucket(n) for n in (5, 4097, 16384, 131073)] == [1024, 8192, 16384, 147456]
 
 
 def test_graph_cache_per_batch_and_release():
@@ -121,12 +141,14 @@ def test_num_return_sequences():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_beam_search_reorders_workspace_in_place(preset):
     model, cap = graph_model(preset)
+    model.decode_graphs().size_for_request = False  # reorder in the 16 bucket, then in the 32 one
     kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=20, return_dict_in_generate=True,
               output_scores=True)
     eager, graph = both(model, rand_ids(2, 6), **kw)
     assert torch.equal(eager.sequences, graph.sequences)
     assert (eager.sequences_scores - graph.sequences_scores).abs().max() < TOL
-    assert cap.replays > 0 and {s["capacity"] for s in model.cuda_graphs_memory()["slots"]} == {16, 32}
+    assert cap.replays == 19 and cap.captures == 2
+    assert [s["capacity"] for s in model.cuda_graphs_memory()["slots"]] == [32]
 
 
 def test_left_padded_batch():
