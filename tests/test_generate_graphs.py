@@ -13,7 +13,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from decoding_helpers import PAD, gen, rand_ids, tiny_random_model, _one_thread  # noqa: F401
+from decoding_helpers import PAD, CountingCapture, gen, rand_ids, tiny_random_model, _one_thread  # noqa: F401
 from kimi_hybrid import KimiHybridCache
 from kimi_hybrid.compat_kimi_hybrid import GENERATION_CACHE_NAME, output_cache
 from kimi_hybrid.engine_kimi_hybrid import EagerCapture
@@ -22,28 +22,10 @@ TOL = 1e-5
 PRESETS = ["tiny-kda-first", "tiny-mla-first"]
 
 
-class CountingCapture(EagerCapture):
-    """EagerCapture that counts captures and replays."""
-
-    def __init__(self):
-        self.captures = 0
-        self.replays = 0
-
-    def __call__(self, fn, device):
-        replay, out, nbytes = super().__call__(fn, device)
-        self.captures += 1
-
-        def counted():
-            self.replays += 1
-            replay()
-
-        return counted, out, nbytes
-
-
 def graph_model(name="tiny-kda-first", min_bucket=16, **over):
     model = tiny_random_model(name, **over)
     graphs = model.decode_graphs()
-    graphs.capture = CountingCapture()
+    graphs.capture = CountingCapture(EagerCapture())
     graphs.min_bucket = min_bucket
     return model, graphs.capture
 

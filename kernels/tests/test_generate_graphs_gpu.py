@@ -14,6 +14,7 @@ from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid.compat_kimi_hybrid import GENERATION_CACHE_NAME
 from kimi_hybrid.engine_kimi_hybrid import CudaGraphCapture
+from decoding_helpers import CountingCapture
 from presets import preset_config
 
 CUDA = torch.cuda.is_available()
@@ -21,29 +22,11 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 BF16_REL = 2e-2
 
 
-class CountingCudaCapture(CudaGraphCapture):
-    """The real capture, counting captures and replays."""
-
-    def __init__(self):
-        super().__init__()
-        self.captures = self.replays = 0
-
-    def __call__(self, fn, device):
-        replay, out, nbytes = super().__call__(fn, device)
-        self.captures += 1
-
-        def counted():
-            self.replays += 1
-            replay()
-
-        return counted, out, nbytes
-
-
 def model_on_cuda(preset="tiny-kda-first", dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     m = KimiHybridForCausalLM(preset_config(preset)).eval().to("cuda", dtype)
     graphs = m.decode_graphs()
-    graphs.capture = CountingCudaCapture()
+    graphs.capture = CountingCapture(CudaGraphCapture())
     graphs.min_bucket = 64
     return m, graphs.capture
 
@@ -91,10 +74,10 @@ def test_graph_tokens_equal_eager_fp32(preset, strategy):
 def test_user_cache_and_prefix_reuse_fp32():
     m, cap = model_on_cuda()
     ids = ids_of(1, 20)
-    ce, cg = KimiHybridCache(m.config), KimiHybridCache(m.config)
-    a = gen(m, ids, max_new_tokens=16, cuda_graphs=False, **{GENERATION_CACHE_NAME: ce})
-    b = gen(m, ids, max_new_tokens=16, **{GENERATION_CACHE_NAME: cg})
-    assert torch.equal(a, b) and cap.replays == 15 and cg.get_seq_length() == ce.get_seq_length()
+    caches = {g: KimiHybridCache(m.config) for g in (False, True)}
+    outs = {g: gen(m, ids, max_new_tokens=16, cuda_graphs=g, **{GENERATION_CACHE_NAME: c}) for g, c in caches.items()}
+    assert torch.equal(outs[False], outs[True]) and cap.replays == 15
+    assert caches[True].get_seq_length() == caches[False].get_seq_length() == 35
     pc = m.prefill_prefix(ids[:, :10])
     suffixes = [ids[0, 10:13], ids[0, 13:20]]
     with torch.no_grad():
