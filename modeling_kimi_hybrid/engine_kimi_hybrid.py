@@ -165,6 +165,7 @@ class DecodeGraphs:
         # size the first bucket for the request's max_length (generate states it), so it never grows mid-request
         self.size_for_request = True
         self._expected: Optional[int] = None
+        self._weights: Optional[Tuple] = None  # the parameters the cached graphs were captured over
         self.slots: Dict[Tuple, _GraphSlot] = {}
         self._active = False  # inside a generate call
         self._inside = False  # running the step itself (capture / replay): the forward must not re-enter
@@ -210,8 +211,19 @@ class DecodeGraphs:
 
     # -- one generate call ---------------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Start a generate call: decode steps may take graphs from now on."""
+        """Start a generate call: decode steps may take graphs from now on. Graphs captured over other weights
+        (parameters replaced, moved or wrapped since, e.g. by ``model.to`` or an adapter, or another train / eval
+        mode) are dropped first: a graph reads the weights at the addresses it was captured with."""
+        weights = self._weights_key()
+        if weights != self._weights:
+            self.slots.clear()
+            self._weights = weights
         self._active, self._origin, self._slot, self._position, self._expected = True, None, None, None, None
+
+    def _weights_key(self) -> Tuple:
+        model = self.model
+        return (model.training, tuple((n, t.data_ptr(), t.dtype) for n, t in model.named_parameters()),
+                tuple((n, t.data_ptr()) for n, t in model.named_buffers()))
 
     def expect_length(self, max_length: Optional[int]) -> None:
         """The generate call's ``max_length`` (prompt + new tokens): the cache holds at most ``max_length - 1``
@@ -325,9 +337,12 @@ def check_cache_extends(model, args: tuple, kwargs: dict) -> None:
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids", kwargs.get("inputs_embeds")))
     if held == 0 or not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
         return
-    if inputs.shape[1] <= held:
+    mask = kwargs.get("attention_mask")
+    # (transformers' other form: only the new ids, with the mask of the whole sequence)
+    length = mask.shape[-1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else inputs.shape[1]
+    if length <= held:
         raise ValueError(
-            f"the cache already holds {held} tokens but the input has {inputs.shape[1]}: generate with a filled cache "
+            f"the cache already holds {held} tokens but the input has {length}: generate with a filled cache "
             f"continues it, so pass the whole sequence it holds plus at least one new token (e.g. the sequences the "
             f"previous generate returned, then new ids), or start from a fresh cache (KimiHybridCache(model.config), "
             f"cache.reset(), or a snapshot taken before)")

@@ -263,6 +263,32 @@ def test_user_cache_fast_path_and_reuse():
     assert torch.equal(a2, ref) and torch.equal(b2, ref)
 
 
+def test_graphs_recaptured_after_weights_change():
+    model, cap = graph_model()
+    ids = rand_ids(1, 6)
+    gen(model, ids, max_new_tokens=5)
+    assert cap.captures == 1
+    gen(model, ids, max_new_tokens=5)
+    assert cap.captures == 1  # same weights: the cached graph
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.5)  # new storage
+    eager, graph = both(model, ids, max_new_tokens=5)
+    assert torch.equal(eager, graph) and cap.captures == 2
+
+
+def test_new_ids_with_the_whole_mask_continue_a_filled_cache():
+    """transformers' other continuation form: only the new ids, with the attention mask of the whole sequence."""
+    model, cap = graph_model()
+    ids = rand_ids(1, 10)
+    c = KimiHybridCache(model.config)
+    first = gen(model, ids, max_new_tokens=5, **{GENERATION_CACHE_NAME: c})
+    full = torch.cat([first, rand_ids(1, 2, seed=6)], dim=1)
+    new = full[:, c.get_seq_length():]  # what the cache does not hold: the last generated token and two more
+    out = gen(model, new, attention_mask=torch.ones_like(full), max_new_tokens=4, **{GENERATION_CACHE_NAME: c})
+    ref = gen(model, full, max_new_tokens=4, cuda_graphs=False)
+    assert torch.equal(out[:, -4:], ref[:, -4:])
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_filled_cache_not_extended_is_refused(graphs):
     model, _ = graph_model()
