@@ -43,7 +43,7 @@ def seqs(out):
     return out if isinstance(out, torch.Tensor) else out.sequences
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + ["tiny-k3"])
 def test_greedy_equal_through_bucket_growth(preset):
     model, cap = graph_model(preset)
     model.decode_graphs().size_for_request = False  # start from the prompt's bucket: grow through three
