@@ -421,3 +421,46 @@ def test_compiled_static_generate_does_not_recompile_inside_the_bucket():
     assert output_cache(first).get_max_length() == output_cache(second).get_max_length() == 16
     assert torch.equal(second.sequences, gen(model, ids, max_new_tokens=9, cuda_graphs=False))
     torch._dynamo.reset()
+
+
+def test_eager_decode_step_reads_nothing_back_to_the_host(monkeypatch):
+    """Issue 21 item 4: an eager decode step (graphs off) reads no tensor value back to the host (id range, mask
+    and cache checks run on the prompt / once per generate). Counted: ``bool`` / ``int`` / ``float`` / ``item`` /
+    ``tolist`` / ``__index__`` on tensors inside one-token forwards. The one exception is the MoE experts' CPU loop
+    (``moe_kimi_hybrid.py``, per-expert row counts: on CUDA the grouped GEMM keeps its offsets on the device)."""
+    import traceback
+
+    from kimi_hybrid.modeling_kimi_hybrid import KimiHybridModel
+
+    model = tiny_random_model("tiny-mla-first")
+    reads, decoding = [], [False]
+    forward = KimiHybridModel.forward
+
+    def counted_forward(self, *args, **kwargs):
+        ids = kwargs.get("input_ids")
+        decoding[0] = ids is not None and ids.shape[1] == 1
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            decoding[0] = False
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if decoding[0]:
+                where = [f for f in traceback.extract_stack()[:-1] if "kimi_hybrid" in f.filename]
+                if not where[-1].filename.endswith("moe_kimi_hybrid.py"):
+                    reads.append((name, where[-1].filename.rsplit("/", 1)[-1], where[-1].lineno))
+            return original(self, *args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(KimiHybridModel, "forward", counted_forward)
+    for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    ids = rand_ids(2, 8)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    out = gen(model, ids, attention_mask=mask, max_new_tokens=6, cuda_graphs=False)
+    assert out.shape[1] == 14 and reads == []
