@@ -82,16 +82,18 @@ from transformers.cache_utils import (Cache, DynamicCache, DynamicLayer, LinearA
                                      LinearAttentionLayer, StaticCache, StaticLayer)
 
 try:  # relative import inside the package / Hub bundle
-    from .kda_kimi_hybrid import _compiling, kda_chunk, kda_recurrent
+    from .compat_kimi_hybrid import compiling as _compiling
+    from .configuration_kimi_hybrid import FULL, LINEAR
+    from .kda_kimi_hybrid import kda_chunk, kda_recurrent
 except ImportError:  # pragma: no cover
-    from kda_kimi_hybrid import _compiling, kda_chunk, kda_recurrent  # type: ignore
+    from compat_kimi_hybrid import compiling as _compiling  # type: ignore
+    from configuration_kimi_hybrid import FULL, LINEAR  # type: ignore
+    from kda_kimi_hybrid import kda_chunk, kda_recurrent  # type: ignore
 
 CACHE_FORMAT = "kimi-hybrid-cache"
 CACHE_FORMAT_VERSION = 2  # 2: W-wide conv windows (1: W-1 wide; still read)
 READABLE_VERSIONS = (1, 2)
 
-LINEAR = "linear_attention"
-FULL = "full_attention"
 
 
 def config_fingerprint(config) -> Dict[str, Any]:
@@ -624,7 +626,7 @@ class KimiHybridCache(Cache):
         self.offloading = bool(offloading)
         self.fingerprint = config_fingerprint(config)
         self._pos = None  # static mode: device counter (the length lives there)
-        self._seen = 0  # dynamic mode: the length
+        self._seen = 0  # the length (static mode: a host count beside the device counter)
         self.key_mask: Optional[torch.Tensor] = None
         self.last_hidden: Optional[torch.Tensor] = None  # dynamic mode: [B, D] of each row's last real token
         self.recording = False
@@ -926,14 +928,25 @@ class KimiHybridCache(Cache):
         self.ensure_allocated(batch_size, dtype, device)
         if not self.static and self.batch_size is not None and self.seen_tokens > 0 and self.batch_size != batch_size:
             raise ValueError(f"the cache holds batch {self.batch_size} but the input has batch {batch_size}")
-        if self.static and host_checks and self.seen_tokens + num_tokens > self.max_cache_len:
-            raise ValueError(f"the static cache holds {self.seen_tokens} of max_cache_len={self.max_cache_len} "
+        # static: the host count of the tokens written (``count_replayed_tokens`` keeps it for graph replays), so
+        # the room check reads no device value
+        if self.static and host_checks and self.__dict__.pop("_host_count_stale", False):
+            self._seen = self.seen_tokens  # after compiled steps: one read of the device counter
+        if self.static and host_checks and self._seen + num_tokens > self.max_cache_len:
+            raise ValueError(f"the static cache holds {self._seen} of max_cache_len={self.max_cache_len} "
                              f"tokens and cannot take {num_tokens} more")
 
     def host_length(self) -> Optional[int]:
         """Tokens held as a Python int, or None for a static cache (its length lives in a device counter, which a
         compiled or captured decode step must not read)."""
         return None if self.static else self.seen_tokens
+
+    def host_count(self) -> Optional[int]:
+        """Tokens held as known on the host without a device read (static: the host count kept beside the device
+        counter), for shape checks only; None while tracing or when compiled steps ran since the last check."""
+        if _compiling() or self.__dict__.get("_host_count_stale", False):
+            return None
+        return self._seen
 
     def mask_geometry(self, num_tokens: int, device) -> Tuple[int, torch.Tensor]:
         """``(key_length, query_positions [num_tokens])``: the keys an MLA layer attends over after this forward's
@@ -960,6 +973,11 @@ class KimiHybridCache(Cache):
         if not self.static and last_hidden is not None:
             self.last_hidden = last_hidden.detach().clone()
         self.advance(num_tokens)
+
+    def count_replayed_tokens(self, num_tokens: int) -> None:
+        """Static mode: ``num_tokens`` were written by a replayed CUDA graph (which advanced the device counter but
+        ran no Python): keep the host count of :meth:`prepare`'s room check in step."""
+        self._seen += int(num_tokens)
 
     def kda_states(self, layer_idx: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """KDA layer ``layer_idx``'s ``(conv window [B, 3P, W], recurrent state [B, H, K, V] fp32)`` to continue
@@ -1033,8 +1051,10 @@ class KimiHybridCache(Cache):
         """Move the position counter after every layer has seen ``num_tokens`` new tokens."""
         if self._pos is not None:
             self._pos.add_(num_tokens)
+        if _compiling():  # (a compiled step must not read a Python count: it would specialise on it)
+            self.__dict__["_host_count_stale"] = True
         else:
-            self._seen += int(num_tokens)
+            self._seen += int(num_tokens)  # static mode: the host count beside the device counter
         if not _compiling():
             for layer in self.layers:
                 if is_kda_layer(layer) and layer.recurrent_states[0] is not None:

@@ -25,10 +25,11 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, StaticLayer
 
-from .cache_kimi_hybrid import FULL, LINEAR, KimiHybridCache
+from .cache_kimi_hybrid import KimiHybridCache
 from .compat_kimi_hybrid import linear_attention_states
+from .configuration_kimi_hybrid import FULL, LINEAR
 
 _FIX = ("pass past_key_values=KimiHybridCache(model.config) (add max_cache_len=N for a static, compilable cache; "
         "`from kimi_hybrid import KimiHybridCache`), DynamicCache(config=model.config), "
@@ -48,7 +49,7 @@ def resolve_cache(past_key_values: Any, config, use_cache: bool):
         ValueError: a refused cache (its class named, and what to pass instead), or a cache of another model.
     """
     if past_key_values is None:
-        return KimiHybridCache(config) if use_cache else None
+        return TransformersCacheView(DynamicCache(config=config), config) if use_cache else None
     if isinstance(past_key_values, KimiHybridCache):
         return past_key_values.for_model(config)
     if isinstance(past_key_values, Cache):
@@ -85,8 +86,8 @@ class TransformersCacheView:
         for i, (kind, layer) in enumerate(zip(self.layer_types, layers)):
             want = LinearAttentionCacheLayerMixin if kind == LINEAR else CacheLayerMixin
             if not isinstance(layer, want) or (kind == FULL and isinstance(layer, LinearAttentionCacheLayerMixin)):
-                raise ValueError(f"past_key_values is a {name} whose layer {i} is a {type(layer).__name__}, but that "
-                                 f"layer of this model is {kind!r}: {_FIX}")
+                raise ValueError(f"past_key_values is a {name} of another model: its layer {i} is a "
+                                 f"{type(layer).__name__}, but that layer of this model is {kind!r}: {_FIX}")
             if kind == LINEAR and getattr(layer, "record_past", False):
                 raise ValueError(f"past_key_values is a {name} that records its past for rollback (assisted / "
                                  "speculative decoding); a KDA state can only be rolled back from KimiHybridCache's "
@@ -133,6 +134,10 @@ class TransformersCacheView:
         """Tokens held (read once in :meth:`prepare`); None for a cache of KDA layers only, whose transformers
         layers keep no length."""
         return None if self.mla_idx is None else self._past
+
+    def host_count(self) -> Optional[int]:
+        """Tokens held (read once in :meth:`prepare`), for shape checks."""
+        return self.host_length()
 
     def mask_geometry(self, num_tokens: int, device) -> Tuple[int, torch.Tensor]:
         """``(key_length, query_positions [num_tokens])`` as :meth:`KimiHybridCache.mask_geometry`."""

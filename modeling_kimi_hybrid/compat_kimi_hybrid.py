@@ -1,16 +1,17 @@
 # coding=utf-8
-"""The transformers versions this model is tested with, and the one API rename inside that window.
+"""The transformers versions this model is tested with, the API differences inside that window, and the
+tracing predicates (``compiling``, ``graph_capturing``) the bundle shares.
 
 Window: transformers 5.17 (the first release with the linear-attention cache layers and the output-capturing
-utilities this model builds on) through 5.24 (the newest release when this was written). Importing the model (the
-installed package or the Hub files loaded with ``trust_remote_code=True``) under an older transformers raises
-ImportError; under a newer one it warns once with :class:`KimiHybridVersionWarning`, since a later release may
-change an API this model relies on (5.24 renamed the cache keyword, and a model that only knew the old name decoded
-without its cache, with nothing but a deprecation warning).
+utilities this model builds on) through 5.24. Importing the model (the installed package or the Hub files loaded
+with ``trust_remote_code=True``) under an older transformers raises ImportError; under a newer one it warns once with
+:class:`KimiHybridVersionWarning`, since a later release may change an API this model relies on.
 
-The rename: transformers 5.24 passes the cache to ``forward`` / ``prepare_inputs_for_generation`` as ``cache`` and
-stores it in every ``ModelOutput`` as ``cache``; 5.17-5.23 use ``past_key_values``. This model accepts both names
-everywhere (giving both is an error) and talks to the installed transformers in its own name.
+The cache keyword: transformers 5.24 passes the cache to ``forward`` / ``prepare_inputs_for_generation`` as
+``cache`` and stores it in every ``ModelOutput`` as ``cache``; 5.17-5.23 use ``past_key_values``. This model accepts
+both names everywhere (giving both is an error; ``past_key_values`` warns as deprecated where transformers does) and
+talks to the installed transformers in its own name. The linear-attention state getters
+(``Cache.get_conv_state`` / ``get_recurrent_state``) exist from 5.21: :func:`linear_attention_states`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import inspect
 import warnings
 from typing import Any, Optional
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import GenerationMixin
@@ -60,6 +62,19 @@ def check_transformers_version(version: Optional[str] = None) -> None:
             KimiHybridVersionWarning, stacklevel=3)
 
 
+def compiling() -> bool:
+    """True while torch.compile (dynamo) traces the caller (host reads, warnings and Python-side checks are skipped
+    there)."""
+    comp = getattr(torch, "compiler", None)
+    return bool(comp is not None and hasattr(comp, "is_compiling") and comp.is_compiling())
+
+
+def graph_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream of ``t``'s device (host reads of device
+    values are illegal there)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _generation_cache_name() -> str:
     params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -69,7 +84,6 @@ def _generation_cache_name() -> str:
 GENERATION_CACHE_NAME = _generation_cache_name()
 # the field name of the cache in transformers' ModelOutput classes
 OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-CACHE_NAMES = ("past_key_values", "cache")
 
 
 def resolve_cache_arg(past_key_values: Any = None, cache: Any = None) -> Any:
@@ -82,6 +96,10 @@ def resolve_cache_arg(past_key_values: Any = None, cache: Any = None) -> Any:
     if past_key_values is not None and cache is not None:
         raise ValueError("got both `cache` and `past_key_values`: they are two names for the same argument "
                          "(transformers >= 5.24 calls it `cache`); pass the cache once")
+    if past_key_values is not None and GENERATION_CACHE_NAME == "cache" and not compiling():
+        # transformers >= 5.24's own deprecation of the old name (its models warn the same way)
+        warnings.warn("`past_key_values` is deprecated and will be removed in transformers 6; use `cache` instead",
+                      FutureWarning, stacklevel=3)
     return cache if cache is not None else past_key_values
 
 

@@ -32,7 +32,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .cache_kimi_hybrid import KimiHybridCache
-from .compat_kimi_hybrid import CACHE_NAMES, GENERATION_CACHE_NAME
+from .compat_kimi_hybrid import GENERATION_CACHE_NAME
+
+_CACHE_NAMES = ("past_key_values", "cache")  # generate's cache keyword / output field, by transformers release
 
 __all__ = ["CudaGraphCapture", "DecodeGraphs", "EagerCapture", "GraphDecoder", "check_cache_extends",
            "generate_from_prefix", "generate_with_graphs", "prefill_prefix", "prefill_to_static", "to_static_cache"]
@@ -314,7 +316,7 @@ class DecodeGraphs:
 
 def _replace_cache(result: Any, work: Callable[[Any], bool], origin: KimiHybridCache) -> Any:
     """``generate``'s result with any workspace cache in it replaced by the request's own cache."""
-    for name in CACHE_NAMES:
+    for name in _CACHE_NAMES:
         if work(getattr(result, name, None)):
             setattr(result, name, origin)
             if isinstance(result, dict):
@@ -330,7 +332,7 @@ def check_cache_extends(model, args: tuple, kwargs: dict) -> None:
     Raises:
         ValueError: the input has no more tokens than the cache holds.
     """
-    cache = next((kwargs[n] for n in CACHE_NAMES if kwargs.get(n) is not None), None)
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
     if not isinstance(cache, KimiHybridCache):
         return
     held = cache.get_seq_length()

@@ -37,6 +37,11 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+try:  # relative import inside the package / Hub bundle
+    from .compat_kimi_hybrid import compiling as _compiling
+except ImportError:  # pragma: no cover
+    from compat_kimi_hybrid import compiling as _compiling  # type: ignore
+
 __all__ = [
     "l2norm",
     "kda_gate",
@@ -384,10 +389,6 @@ def _use_fla(t: torch.Tensor) -> bool:
     return t.is_cuda and fla_available()
 
 
-def _compiling() -> bool:
-    """True while torch.compile (dynamo) traces the caller."""
-    comp = getattr(torch, "compiler", None)
-    return bool(comp is not None and hasattr(comp, "is_compiling") and comp.is_compiling())
 
 
 def _contig(*ts):

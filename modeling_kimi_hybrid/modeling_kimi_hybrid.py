@@ -39,14 +39,17 @@ try:
 except ImportError:  # pragma: no cover
     init = nn.init
 
-from .cache_kimi_hybrid import FULL, LINEAR, KimiHybridCache
+from .cache_kimi_hybrid import KimiHybridCache
 from .cache_view_kimi_hybrid import resolve_cache
 from .engine_kimi_hybrid import DecodeGraphs, generate_from_prefix, generate_with_graphs, prefill_prefix
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
-from .configuration_kimi_hybrid import KimiHybridConfig
+from .compat_kimi_hybrid import compiling as _compiling, graph_capturing as _graph_capturing
+from .configuration_kimi_hybrid import FULL, LINEAR, KimiHybridConfig
+from .masks_kimi_hybrid import (check_attention_mask, check_input_ids, check_labels, check_position_ids,
+                                cu_seqlens_from_segments, build_mla_mask, packed_segments, packing_boundaries,
+                                visible_from_4d_mask)
 from .conversion_kimi_hybrid import refuse_unmapped_folder
-from .kda_kimi_hybrid import _compiling, kda_chunk, kda_gate, kda_recurrent, short_conv
-from .kda_kimi_hybrid import short_conv_update
+from .kda_layer_kimi_hybrid import KimiDeltaAttention, direct_weight
 # (the routed experts, KimiExperts, carry transformers' @use_experts_implementation switch: see moe_kimi_hybrid.py)
 from .moe_kimi_hybrid import KimiMLP, KimiMoE, KimiRouter, KimiExperts
 from .norms_kimi_hybrid import KimiGatedRMSNorm, KimiRMSNorm
@@ -65,357 +68,6 @@ __all__ = [
     "KimiMoE",
     "KimiMLP",
 ]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# input checks and the adapter guard of fused weight reads
-# ----------------------------------------------------------------------------------------------------------------
-
-def direct_weight(module: nn.Module, name: str, why: str) -> torch.Tensor:
-    """``module.weight`` for code that reads a weight directly instead of calling the module (fused kernels).
-    Raises ValueError when the module is wrapped by a PEFT tuner layer (LoRA, ...): its extra path would be silently
-    skipped. A ``modules_to_save`` wrapper is fine (its ``weight`` is the trained copy)."""
-    if type(module).__module__.startswith("peft.tuners"):
-        raise ValueError(
-            f"{name} is wrapped by a PEFT adapter ({type(module).__name__}), but the model reads its weight directly "
-            f"({why}), so the adapter would be silently ignored. Leave {name} out of target_modules "
-            "(list the modules to adapt by name; with target_modules='all-linear' add "
-            f"exclude_modules=[...'{name}']); to train it, list it in modules_to_save instead.")
-    return module.weight
-
-
-def check_input_ids(input_ids: torch.Tensor, vocab_size: int, values: bool = True) -> None:
-    """Raise ValueError for input ids that are not ``[batch, seq]`` integers (int32 / int64) with seq >= 1 and, with
-    ``values``, values in ``[0, vocab_size)``. The range check reads two values back from the device, so it is
-    skipped under torch.compile and during CUDA-graph capture (where an out-of-range id is still caught by the eager
-    steps before)."""
-    if input_ids.dim() != 2:
-        hint = " (add the batch dimension: ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
-        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}{hint}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids has no tokens (shape [batch, 0]): pass at least one token per row (generate "
-                         "with past_key_values: input_ids must be the cached sequence plus at least one new token)")
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be integer token ids (torch.long or torch.int32), got dtype "
-                         f"{input_ids.dtype}")
-    if not values or _compiling() or _graph_capturing(input_ids):
-        return
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"input_ids holds ids in [{lo}, {hi}] but the vocabulary has {vocab_size} entries "
-                         f"(valid ids: 0..{vocab_size - 1}); was the prompt encoded with another model's tokenizer?")
-
-
-def _check_attention_mask(mask: torch.Tensor, B: int, T: int, past: int, static: bool) -> None:
-    """Raise ValueError unless ``mask`` is 2-D ``[B, cols]`` with cols = T without cached tokens, T or past + T with
-    ``past`` cached tokens (dynamic cache), and at least T in static mode (whose length is not read on the host)."""
-    if mask.dim() != 2:
-        raise ValueError(f"attention_mask must be 2-D [batch, past + seq] of 0/1, got {mask.dim()}-D")
-    cols = mask.shape[1]
-    if mask.shape[0] != B:
-        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the input has batch {B}")
-    if not static and past == 0 and cols != T:
-        raise ValueError(f"attention_mask has {cols} columns for {T} tokens and no cached tokens: without a filled "
-                         "past_key_values it must be [batch, seq]")
-    if not static and past > 0 and cols not in (T, past + T):
-        raise ValueError(f"attention_mask has {cols} columns; with {past} cached tokens and {T} new ones it must "
-                         f"have {past + T} (past + new) or {T} (new only)")
-    if cols < T:
-        raise ValueError(f"attention_mask has {cols} columns, fewer than the {T} tokens")
-
-
-def _graph_capturing(t: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured on the current stream (host reads of device values are illegal)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def _check_position_ids(position_ids: Optional[torch.Tensor], B: int, T: int) -> Optional[torch.Tensor]:
-    """``position_ids`` as ``[B | 1, T]`` integers (a 1-D ``[T]`` is taken as one row for every batch row), or None.
-    This model has no rotary embedding: position ids only mark packed documents (a restart at 0).
-
-    Raises:
-        ValueError: not integers, more than 2 dimensions, or a shape that is not ``[B | 1, T]`` / ``[T]``.
-    """
-    if position_ids is None:
-        return None
-    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex() \
-            or position_ids.dtype == torch.bool:
-        raise ValueError(f"position_ids must be an integer tensor [batch, seq], got "
-                         f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
-    if position_ids.dim() == 1:
-        position_ids = position_ids.unsqueeze(0)
-    if position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B):
-        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; for input of batch {B} and {T} tokens "
-                         f"it must be [{B}, {T}] (or [1, {T}] / [{T}] for every row). generate derives them from "
-                         "attention_mask: check that it has one 0/1 column per input token and the input's batch")
-    return position_ids.expand(B, T) if position_ids.shape[0] != B else position_ids
-
-
-def _segment_ids_from_positions(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Packed rows: a position id of 0 after the first token starts a new document. Returns ``[B, T]`` or None."""
-    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] < 2:
-        return None
-    starts = position_ids == 0
-    if not bool(starts[:, 1:].any()):
-        return None
-    starts = starts.clone()
-    starts[:, 0] = True
-    return starts.long().cumsum(1)
-
-
-def _packed_segments(cu_seqlens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], B: int,
-                     device: torch.device) -> Optional[torch.Tensor]:
-    """Document ids ``[B, T]`` of packed rows: from ``cu_seqlens [N + 1]`` (batch 1 only; ValueError otherwise), else
-    from position ids restarting at 0 (see :func:`_segment_ids_from_positions`); None when nothing is packed."""
-    if cu_seqlens is None:
-        return _segment_ids_from_positions(position_ids)
-    if B != 1:
-        raise ValueError("cu_seqlens describes packed documents of batch 1; flatten the batch first")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths).unsqueeze(0)
-
-
-def _cu_seqlens_from_segments(segs: torch.Tensor, T: int) -> torch.Tensor:
-    """Boundaries ``[N + 1]`` (int64) of the documents of ``segs [B, T]`` over the ``B * T`` flattened tokens (a row
-    end is a boundary too), as KDA's varlen kernels read them."""
-    B = segs.shape[0]
-    flat = (segs + (torch.arange(B, device=segs.device) * (T + 1)).unsqueeze(1)).reshape(-1)
-    change = torch.ones_like(flat, dtype=torch.bool)
-    change[1:] = flat[1:] != flat[:-1]
-    starts = change.nonzero().flatten()
-    return torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.long)
-
-
-def _visible_from_4d_mask(mask: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """``[B, T, T]`` bool (query t sees key s) from a 4-D attention mask ``[B or 1, 1, T, T]``: bool (True =
-    attend) or additive float (0 = attend, a large negative value = masked), as transformers' custom 4-D masks.
-
-    Raises ValueError for another shape, a query that sees a later key (this model is causal) or not itself (its
-    recurrent layers need the query token in its own sequence)."""
-    if mask.shape[1] != 1 or mask.shape[2:] != (T, T) or mask.shape[0] not in (1, B):
-        raise ValueError(f"a 4-D attention_mask must be [batch, 1, {T}, {T}] for {T} tokens, got {tuple(mask.shape)}")
-    visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] > torch.finfo(mask.dtype).min / 2
-    visible = visible.expand(B, T, T)
-    if not _compiling():
-        eye = torch.eye(T, dtype=torch.bool, device=mask.device)
-        if bool((visible & ~torch.ones_like(eye).tril()).any()):
-            raise ValueError("the 4-D attention_mask lets a token see a later one; this model is causal")
-        if not bool((visible | ~eye).all()):
-            raise ValueError("the 4-D attention_mask hides a token from itself; every query must see its own token")
-    return visible
-
-
-def _packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, seq_idx, B: int,
-                        T: int) -> Optional[torch.Tensor]:
-    """The packed-document boundaries ``[N + 1]`` given by any of ``cu_seqlens`` (ours), transformers'
-    flash-attention keywords (``cu_seq_lens_q/k``, ``max_length_q/k``, as ``DataCollatorWithFlattening(
-    return_flash_attn_kwargs=True)`` makes them) or ``seq_idx [1, T]``; None when none is given.
-
-    Raises ValueError when they disagree with each other or with the input (batch must be 1, the boundaries must
-    run from 0 to T, ``max_length_*`` must be the longest document). Value checks read the boundaries on the host
-    and are skipped while tracing (torch.compile / export)."""
-    if (cu_seq_lens_q is None) != (cu_seq_lens_k is None):
-        raise ValueError("pass cu_seq_lens_q and cu_seq_lens_k together (for this causal self-attention model they "
-                         "are the same document boundaries)")
-    found = [("cu_seqlens", cu_seqlens)] if cu_seqlens is not None else []
-    if cu_seq_lens_q is not None:
-        found += [("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k)]
-    if seq_idx is not None:
-        if seq_idx.dim() != 2 or seq_idx.shape != (1, T):
-            raise ValueError(f"seq_idx must be [1, {T}] (document index per token of one packed row), got "
-                             f"{tuple(seq_idx.shape)}")
-        change = torch.ones(T, dtype=torch.bool, device=seq_idx.device)
-        change[1:] = seq_idx[0, 1:] != seq_idx[0, :-1]
-        starts = change.nonzero().flatten()
-        found.append(("seq_idx", torch.cat([starts, starts.new_tensor([T])]).to(torch.long)))
-    if not found:
-        if max_length_q is not None or max_length_k is not None:
-            raise ValueError("max_length_q / max_length_k given without cu_seq_lens_q / cu_seq_lens_k")
-        return None
-    if B != 1:
-        raise ValueError(f"packed documents ({found[0][0]}) need the batch flattened to 1 row, got batch {B}")
-    name0, cu = found[0]
-    cu = cu.reshape(-1).to(torch.long)
-    if _compiling():
-        return cu
-    bounds = cu.tolist()
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{name0} must rise from 0 to the {T} tokens of the packed row, got {bounds}")
-    for name, other in found[1:]:
-        if other.reshape(-1).tolist() != bounds:
-            raise ValueError(f"{name} {other.reshape(-1).tolist()} disagrees with {name0} {bounds}: causal "
-                             "self-attention packing has one set of document boundaries")
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
-        if value is not None and int(value) != longest:
-            raise ValueError(f"{name}={int(value)} but the longest packed document has {longest} tokens")
-    return cu
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# KDA
-# ----------------------------------------------------------------------------------------------------------------
-
-def _compact(mask: torch.Tensor):
-    """Stable permutation that moves the real tokens of each row to the front. ``mask [B, T]`` bool.
-    Returns ``(perm [B, T], lengths [B])``."""
-    perm = (~mask).to(torch.int8).argsort(dim=1, stable=True)
-    return perm, mask.sum(1)
-
-
-class KimiDeltaAttention(nn.Module):
-    """Kimi Delta Attention layer (checkpoint keys: see docs/LAYOUT.md).
-
-    ``q/k/v_proj`` (D -> P = H*K), causal depthwise short conv + SiLU on each (kernel W), decay gate from the rank-K
-    bottleneck ``f_b_proj(f_a_proj(x))`` (Kimi-Linear softplus form, or K3 ``gate_lower_bound`` form), beta =
-    sigmoid(b_proj(x)) in fp32, L2-normalised q/k in the kernel, fp32 state ``[B, H, K, V]``, gated RMSNorm with
-    gate ``g_b_proj(g_a_proj(x))`` (or K3 full-rank ``g_proj(x)``), ``o_proj`` (P -> D).
-
-    Padding (``token_mask [B, T]``, False = pad): each row's real tokens are moved to the front, the pads at the tail
-    get k = 0, beta = 0, g = 0 (no state change) and never enter the conv window, and outputs are scattered back
-    (pads output 0). Left, right and interior padding therefore leave every state as without the pads.
-    Packing (``cu_seqlens`` over the flattened tokens): conv windows and states restart at every boundary.
-    """
-
-    def __init__(self, config: KimiHybridConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        D = config.hidden_size
-        H, K = config.linear_num_heads, config.linear_head_dim
-        self.num_heads, self.head_dim, self.proj_dim = H, K, H * K
-        W = config.linear_conv_kernel_size
-        self.conv_size = W
-        P = self.proj_dim
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, P, bias=False)
-        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, padding=W - 1, bias=False)
-        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, padding=W - 1, bias=False)
-        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, padding=W - 1, bias=False)
-        self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, P, bias=False)
-        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        if config.use_full_rank_gate:
-            self.g_proj = nn.Linear(D, P, bias=False)
-        else:
-            self.g_a_proj = nn.Linear(D, K, bias=False)
-            self.g_b_proj = nn.Linear(K, P, bias=False)
-        self.o_norm = KimiGatedRMSNorm(K, eps=config.rms_norm_eps)
-        self.o_proj = nn.Linear(P, D, bias=False)
-
-    def conv_weight(self) -> torch.Tensor:
-        """The three depthwise kernels fused: ``[3P, W]`` (q | k | v channels)."""
-        why = "the causal short conv runs as one fused kernel over q | k | v"
-        return torch.cat([direct_weight(m, n, why) for m, n in ((self.q_conv1d, "q_conv1d"),
-                                                                 (self.k_conv1d, "k_conv1d"),
-                                                                 (self.v_conv1d, "v_conv1d"))], 0).squeeze(1)
-
-    # the conv kernels are read directly (conv_weight), never through the conv modules: fire their accelerate hooks
-    # so CPU / disk offload (device_map) materialises them
-    @force_accelerate_hooks(["q_conv1d", "k_conv1d", "v_conv1d"])
-    def forward(self, x: torch.Tensor, cache: Optional[KimiHybridCache] = None,
-                token_mask: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x [B, T, D]`` (after input_layernorm) -> ``[B, T, D]``. ``token_mask``: ``[B, T]`` bool (False =
-        pad), or ``[B, T, T]`` bool (query t sees key s) from a 4-D attention mask (tree attention)."""
-        B, T, _ = x.shape
-        if token_mask is not None and token_mask.dim() == 3:
-            return self._forward_visible(x, token_mask)
-        if cu_seqlens is not None:  # (the model runs packed documents without a cache)
-            y = self._forward_core(x.reshape(1, B * T, -1), cu_seqlens=cu_seqlens)
-            return y.reshape(B, T, -1)
-        if token_mask is None:
-            return self._forward_core(x, cache)
-        if T == 1:  # one token (decode): nothing to move, the mask is the validity
-            y = self._forward_core(x, cache, token_mask, token_mask.sum(1), token_mask=token_mask)
-            return y * token_mask.unsqueeze(-1).to(y.dtype)
-        perm, lengths = _compact(token_mask)
-        xc = x.gather(1, perm.unsqueeze(-1).expand_as(x))
-        valid = torch.arange(T, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
-        yc = self._forward_core(xc, cache, valid, lengths, perm=perm, token_mask=token_mask)
-        y = torch.zeros_like(yc).scatter(1, perm.unsqueeze(-1).expand_as(yc), yc)
-        return y * token_mask.unsqueeze(-1).to(y.dtype)
-
-    def _forward_visible(self, x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Tree attention (a 4-D mask, e.g. shared-prefix or speculative-tree verification): a recurrence has no
-        per-query key set, so each query's output is the layer run over exactly the tokens it sees, in order, from a
-        zero state (``visible [B, T, T]`` bool, each row ending at its own query). Exact; costs O(T^2) tokens of
-        work, meant for short trees. ``x [B, T, D]`` -> ``[B, T, D]``."""
-        B, T, _ = x.shape
-        rows = []
-        for b in range(B):
-            outs = []
-            for t in range(T):
-                idx = visible[b, t].nonzero().flatten()
-                outs.append(self._forward_core(x[b:b + 1, idx])[:, -1])
-            rows.append(torch.cat(outs, 0))
-        return torch.stack(rows, 0)
-
-    def _forward_core(self, x, cache=None, valid=None, lengths=None, perm=None, token_mask=None, cu_seqlens=None):
-        """One KDA pass over ``x [B, T, D]`` (compacted: real tokens first, ``valid [B, T]`` / ``lengths [B]``),
-        reading and writing its states through the cache interface. Returns ``[B, T, D]``."""
-        B, T, _ = x.shape
-        H, K, P = self.num_heads, self.head_dim, self.proj_dim
-        conv_state, init_state = cache.kda_states(self.layer_idx) if cache is not None else (None, None)
-        x_raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3P]
-        weight = self.conv_weight()
-        if conv_state is not None and T == 1:
-            y, new_window = short_conv_update(x_raw[:, 0], weight, conv_state)
-            y = y.unsqueeze(1)
-            if valid is not None:
-                new_window = torch.where(valid[:, :1, None], new_window, conv_state)
-        else:
-            y, new_window = short_conv(x_raw, weight, conv_state, "silu", cu_seqlens)
-            if valid is not None and cache is not None:
-                new_window = self._window_at(conv_state, x_raw, lengths)
-        q, k, v = y.split(P, dim=-1)
-        q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias,
-                     self.config.gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        if valid is not None:
-            vm = valid[..., None, None]
-            k = k * vm.to(k.dtype)
-            g = g * vm.to(g.dtype)
-            beta = beta * valid[..., None].to(beta.dtype)
-        beta = beta.to(q.dtype) if q.is_cuda else beta
-        recorded = cache is not None and cu_seqlens is None and cache.is_recording_past(self.layer_idx)
-        if recorded:
-            tokens = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "x": x_raw}
-            o, final = cache.kda_run_recorded(self.layer_idx, self._run_with_state, tokens, init_state, conv_state,
-                                              perm, token_mask)
-        else:
-            o, final = self._run_kda(q, k, v, g, beta, init_state, cache is not None, cu_seqlens)
-        if cache is not None:
-            cache.kda_update(self.layer_idx, new_window, final, recorded=recorded)
-        gate = self.g_proj(x) if self.config.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o.reshape(B, T, H, K), gate.view(B, T, H, K))
-        return self.o_proj(o.reshape(B, T, P))
-
-    def _window_at(self, conv_state, x_raw, lengths):
-        """Last W real pre-conv inputs of each row (real tokens are at the front), oldest first: ``[B, C, W]``."""
-        B, T, C = x_raw.shape
-        W = self.conv_size
-        prev = conv_state if conv_state is not None else x_raw.new_zeros(B, C, W)
-        full = torch.cat([prev.to(x_raw.dtype), x_raw.transpose(1, 2)], dim=-1)  # [B, C, W + T]
-        idx = lengths.view(B, 1, 1) + torch.arange(W, device=x_raw.device).view(1, 1, W)
-        return full.gather(2, idx.expand(B, C, W))
-
-    @staticmethod
-    def _run_kda(q, k, v, g, beta, init_state, want_state, cu_seqlens=None):
-        """Recurrent kernel for short decode steps from a state (no grad), chunked otherwise."""
-        if init_state is not None and q.shape[1] <= 64 and not torch.is_grad_enabled():
-            return kda_recurrent(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state)
-        return kda_chunk(q, k, v, g, beta, initial_state=init_state, output_final_state=want_state,
-                         cu_seqlens=cu_seqlens)
-
-    @classmethod
-    def _run_with_state(cls, q, k, v, g, beta, init_state):
-        """:meth:`_run_kda` returning the final state (the recorded step's kernel call)."""
-        return cls._run_kda(q, k, v, g, beta, init_state, True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -515,12 +167,6 @@ class KimiMLAttention(nn.Module):
             out = out * torch.sigmoid(self.g_proj(x))
         out = self.o_proj(out)
         return (out, weights) if output_attentions else out
-
-    def _attend_eager(self, q, latent, attn_mask):
-        """Decompressed attention with explicit probabilities (``mla_eager_attention_forward``): ``q [B, T, H,
-        nope + rope]``, ``latent [B, S, r + rope]``, ``attn_mask`` as :meth:`forward` (or a ``CausalBias``).
-        Returns ``(out [B, T, H, v], probs [B, H, T, S])``; scores and softmax in fp32."""
-        return self._attend_interface(mla_eager_attention_forward, q, latent, attn_mask)
 
     def _attend_interface(self, attention_fn, q, latent, attn_mask, pad_v: bool = False):
         """``q [B, T, H, nope + rope]`` over the decompressed keys of ``latent [B, S, r + rope]`` through
@@ -834,21 +480,19 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
     ) -> MoeModelOutputWithPast:
         """Args: ``input_ids [B, T]`` (or ``inputs_embeds [B, T, D]``); ``attention_mask [B, past + T]`` or
         ``[B, T]`` 0/1 (2-D only; pads anywhere); ``position_ids [B, T]`` (only used to detect packed documents:
-        a 0 after the first token starts a new one, when there is no mask and no cache); the cache as
-        ``past_key_values`` or ``cache`` (transformers >= 5.24's name; not both).
+        a 0 after the first token starts a new one, when there is no mask and no cache); the cache as ``cache``
+        or ``past_key_values`` (not both): a KimiHybridCache, or a transformers ``DynamicCache(config=...)`` /
+        ``StaticCache`` used as it is (``cache_view_kimi_hybrid`` says what it cannot hold); with ``use_cache`` and
+        none given, a new ``DynamicCache(config)``.
 
         Packed documents (batch 1, no cache): ``cu_seqlens [N + 1]``, or transformers' flash-attention keywords
         ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (equal: causal self-attention) with ``max_length_q`` / ``max_length_k``
         (checked against the boundaries), or ``seq_idx [1, T]`` (document index per token); every path (KDA, its
         short conv, MLA) keeps documents apart; empty documents are allowed.
 
-        Output flags (argument, else the config's field): ``output_hidden_states`` (embeddings + every layer, the
-        last one after the final norm), ``output_attentions`` (the MLA layers' probabilities ``[B, H, T, T_keys]``;
-        KDA layers have none), ``output_router_logits`` (``[B*T, E]`` fp32 per MoE layer); ``return_dict`` (else
-        the config's) False returns a tuple.
-
-        A padded position changes no state and no real position's output; its own output repeats that of the last
-        real token before it in the same call (right-padded rows generate right).
+        Output flags (argument, else the config's field): ``output_hidden_states``, ``output_attentions`` (MLA
+        probabilities ``[B, H, T, T_keys]``), ``output_router_logits`` (``[B*T, E]`` fp32 per MoE layer). A padded
+        position changes no state and no real output; its own output repeats the last real token's before it.
 
         Raises:
             TypeError: a keyword this model does not take (never silently ignored).
@@ -873,29 +517,12 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         cache = resolve_cache(past_key_values, self.config, use_cache and not four_d)
         inputs_embeds = self._embed(input_ids, inputs_embeds, cache)
         B, T = inputs_embeds.shape[:2]
-        cu_seqlens = _packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        cu_seqlens = packing_boundaries(cu_seqlens, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
                                          seq_idx, B, T)
         if output_attentions is None:
             output_attentions = bool(getattr(self.config, "output_attentions", False))
-        if four_d:
-            # a custom 4-D mask (tree attention): MLA applies it, KDA runs each query over the tokens it sees
-            if cu_seqlens is not None:
-                raise ValueError("a 4-D attention_mask cannot be combined with a cache or packed documents: pass it "
-                                 "with use_cache=False and no cache (or give a 2-D padding mask instead)")
-            kda_cu_seqlens = None
-            kda_mask = _visible_from_4d_mask(attention_mask, B, T)
-            mla_mask = kda_mask.unsqueeze(1)
-        else:
-            if attention_mask is not None and attention_mask.dim() == 2:  # the mask's own errors first
-                _check_attention_mask(attention_mask, B, T, 0, True)
-            position_ids = _check_position_ids(position_ids, B, T)
-            if cache is not None:
-                cache.prepare(B, T, inputs_embeds.dtype, inputs_embeds.device,
-                              host_checks=not (_compiling() or _graph_capturing(inputs_embeds)))
-            # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
-            # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
-            cache, kda_mask, kda_cu_seqlens, mla_mask = self._build_masks(
-                attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
+        cache, kda_mask, kda_cu_seqlens, mla_mask = self._masks_for(
+            attention_mask, position_ids, cu_seqlens, cache, past_key_values is not None, inputs_embeds)
 
         # (hidden states, attention maps and router logits are recorded by transformers' output capturing hooks on
         # the decoder layers, the MLA modules and the routers: see _can_record_outputs)
@@ -940,6 +567,28 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         """
         check_input_ids(input_ids, self.config.vocab_size)
 
+    def _masks_for(self, attention_mask, position_ids, cu_seqlens, cache, cache_given: bool,
+                   inputs_embeds: torch.Tensor):
+        """``(cache, kda_mask, kda_cu_seqlens, mla_mask)`` of this call (:meth:`_build_masks`), after the mask /
+        position-id checks and the cache's :meth:`prepare`; a custom 4-D mask (tree attention: MLA applies it, KDA
+        runs each query over the tokens it sees) runs without a cache."""
+        B, T = inputs_embeds.shape[:2]
+        if attention_mask is not None and attention_mask.dim() == 4:
+            if cu_seqlens is not None:
+                raise ValueError("a 4-D attention_mask cannot be combined with a cache or packed documents: pass it "
+                                 "with use_cache=False and no cache (or give a 2-D padding mask instead)")
+            kda_mask = visible_from_4d_mask(attention_mask, B, T)
+            return None, kda_mask, None, kda_mask.unsqueeze(1)
+        if attention_mask is not None and attention_mask.dim() == 2:  # the mask's own errors first
+            check_attention_mask(attention_mask, B, T, 0, True)
+        position_ids = check_position_ids(position_ids, B, T)
+        if cache is not None:
+            cache.prepare(B, T, inputs_embeds.dtype, inputs_embeds.device,
+                          host_checks=not (_compiling() or _graph_capturing(inputs_embeds)))
+        # one mask per layer type: KDA reads the [B, T] token mask (None = every token real) and the packed
+        # boundaries, MLA a [B, 1, T, T_keys] bool mask or a bottom-right CausalBias (None = plain causal)
+        return self._build_masks(attention_mask, position_ids, cu_seqlens, cache, cache_given, inputs_embeds)
+
     def _build_masks(self, attention_mask, position_ids, cu_seqlens, cache, cache_given: bool,
                      inputs_embeds: torch.Tensor):
         """The masks of both layer types, built once per call.
@@ -959,11 +608,12 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         decode = T == 1 and past > 0
         token_mask = history = None
         if attention_mask is not None:
-            _check_attention_mask(attention_mask, B, T, past, static)
+            known = cache.host_count() if cache is not None else 0  # a static cache's host count: no device read
+            check_attention_mask(attention_mask, B, T, past if known is None else known, known is None)
             token_mask = attention_mask[:, -T:].bool()
             if attention_mask.shape[1] == past + T and past > 0:
                 history = attention_mask[:, :past]  # the caller's view of earlier pads
-        segs = _packed_segments(cu_seqlens, position_ids, B, device) if (
+        segs = packed_segments(cu_seqlens, position_ids, B, device) if (
             cu_seqlens is not None or (attention_mask is None and past == 0 and not static)) else None
         kda_cu = None
         if segs is not None:
@@ -972,7 +622,7 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
                     raise ValueError("packed sequences (cu_seqlens / position_ids restarting at 0) cannot be written "
                                      "to a cache: run them with use_cache=False, or one document per row with a cache")
                 cache = None  # the cache created for use_cache would hold no consistent state of several documents
-            kda_cu = _cu_seqlens_from_segments(segs, T)
+            kda_cu = cu_seqlens_from_segments(segs, T)
             token_mask = None
         full_mask = token_mask
         # static mode, decode steps and tracing (torch.compile / torch.export) keep the masks: pure tensor ops, no
@@ -1002,25 +652,8 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
 
                 mla_mask = causal_lower_right(T, past + T)
             else:
-                mla_mask = self._mla_mask(B, T, keys_valid, segs, cache, device)
+                mla_mask = build_mla_mask(B, T, keys_valid, segs, cache, device)
         return cache, token_mask, kda_cu, mla_mask
-
-    @staticmethod
-    def _mla_mask(B, T, keys_valid, segs, cache, device):
-        """Bool ``[B, 1, T, T_keys]``: causal, key padding, same document; a fully masked row may see itself."""
-        if cache is not None:
-            Tk, q_abs = cache.mask_geometry(T, device)
-        else:
-            Tk, q_abs = T, torch.arange(T, device=device)
-        k_idx = torch.arange(Tk, device=device)
-        m = (k_idx.view(1, Tk) <= q_abs.view(T, 1)).unsqueeze(0).expand(B, T, Tk)
-        if keys_valid is not None:
-            m = m & keys_valid[:, None, :Tk]
-        if segs is not None:
-            m = m & (segs[:, :, None] == segs[:, None, :])
-        diag = k_idx.view(1, 1, Tk) == q_abs.view(1, T, 1)
-        m = m | (diag & ~m.any(-1, keepdim=True))
-        return m.unsqueeze(1)
 
     def _exit_mix(self, stream: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The hidden state before the final norm: the stream itself, or with K3's AttnRes the softmax-over-depth mix
@@ -1127,7 +760,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
                                           ("output_hidden_states", output_hidden_states),
                                           ("output_router_logits", output_router_logits)) if v is not None}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=resolve_cache_arg(past_key_values, cache), inputs_embeds=inputs_embeds,
+                         cache=resolve_cache_arg(past_key_values, cache), inputs_embeds=inputs_embeds,
                          use_cache=use_cache, return_dict=True, cu_seqlens=cu_seqlens, **model_kwargs, **kwargs)
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int):
@@ -1136,6 +769,10 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             h = h[:, logits_to_keep]
         logits = self.lm_head(h)
         loss = None
+        for name, lab in (("labels", labels), ("shift_labels", shift_labels)):
+            if lab is not None:
+                check_labels(name, lab, h.shape[:2] if isinstance(logits_to_keep, int) and logits_to_keep == 0
+                             else None, self.config.vocab_size, -100 if ignore_index is None else ignore_index)
         if labels is not None or shift_labels is not None:
             loss_kw = {k: v for k, v in (("num_items_in_batch", num_items_in_batch), ("shift_labels", shift_labels),
                                          ("ignore_index", ignore_index)) if v is not None}
@@ -1185,7 +822,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         routers = [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, KimiMoE)]
         if len(routers) != len(router_logits):
             raise ValueError(f"got {len(router_logits)} router logit tensors for {len(routers)} MoE layers")
-        E, k = self.config.num_experts, self.config.num_experts_per_token
+        E = self.config.num_experts
         probs, chosen = [], []
         for logits, router in zip(router_logits, routers):
             logits = logits.float()
@@ -1227,7 +864,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
                                                        inputs_embeds=inputs_embeds, **kwargs)
         if attention_mask is not None:
-            if isinstance(cache, KimiHybridCache) and cache.static:
+            if isinstance(cache, KimiHybridCache) and cache.is_compileable:
                 # a static cache keeps the key-padding history itself (``key_mask``): pass the new tokens' columns
                 # only, whose shape does not grow with the step, so a compiled decode step never recompiles
                 new = inputs.get("input_ids")

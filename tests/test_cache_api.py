@@ -369,7 +369,7 @@ def test_memory_report_equals_storage_after_long_prefill(preset):
     H, K, W, Dl = _dims(m.config)
     ids = rand_ids(1, 1024, seed=50)
     with torch.no_grad():
-        c = m(ids, use_cache=True, logits_to_keep=1).past_key_values
+        c = m(ids, past_key_values=KimiHybridCache(m.config), use_cache=True, logits_to_keep=1).past_key_values
         for step in range(2):
             kda = [layer for layer in c.layers if isinstance(layer, LinearAttentionLayer)]
             conv_bytes = 3 * H * K * W * 4

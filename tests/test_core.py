@@ -203,7 +203,8 @@ def test_memory_report_matches_formula_and_tensors():
     reports = []
     for T in (5, 17):
         with torch.no_grad():
-            cache = model(torch.randint(3, 128, (B, T)), use_cache=True).past_key_values
+            cache = model(torch.randint(3, 128, (B, T)), past_key_values=KimiHybridCache(cfg),
+                          use_cache=True).past_key_values
         rep = cache.memory_report()
         held = {"kda": 0, "mla": 0}
         for kind, layer in zip(cfg.layer_types, cache.layers):
@@ -227,7 +228,8 @@ def test_memory_report_matches_formula_and_tensors():
 def test_mla_cache_holds_only_the_latent():
     model = tiny("tiny-mla-first")
     with torch.no_grad():
-        cache = model(torch.randint(3, 128, (2, 7)), use_cache=True).past_key_values
+        cache = model(torch.randint(3, 128, (2, 7)), past_key_values=KimiHybridCache(model.config),
+                      use_cache=True).past_key_values
     cfg = model.config
     for kind, layer in zip(cfg.layer_types, cache.layers):
         if kind == "full_attention":
@@ -316,12 +318,13 @@ def test_trust_remote_code_without_the_package(tmp_path):
 
 def test_cache_of_another_model_is_refused():
     a, b = tiny("tiny-kda-first"), tiny("tiny-mla-first")
-    with torch.no_grad():
-        cache = a(torch.randint(3, 128, (1, 4)), use_cache=True).past_key_values
-        with pytest.raises(ValueError, match="another model"):
-            b(torch.randint(3, 128, (1, 1)), past_key_values=cache, use_cache=True)
-        with pytest.raises(ValueError, match="batch"):
-            a(torch.randint(3, 128, (2, 1)), past_key_values=cache, use_cache=True)
+    for given in (None, KimiHybridCache(a.config)):  # the default (a transformers DynamicCache) and ours
+        with torch.no_grad():
+            cache = a(torch.randint(3, 128, (1, 4)), past_key_values=given, use_cache=True).past_key_values
+            with pytest.raises(ValueError, match="another model"):
+                b(torch.randint(3, 128, (1, 1)), past_key_values=cache, use_cache=True)
+            with pytest.raises(ValueError, match="batch"):
+                a(torch.randint(3, 128, (2, 1)), past_key_values=cache, use_cache=True)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import kimi_hybrid.modeling_kimi_hybrid as mk
 import kimi_hybrid.moe_kimi_hybrid as mkm
 from conversion_fixtures import released_config_dict
+from transformers.cache_utils import DynamicCache
+
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid.cache_kimi_hybrid import kda_store, layer_tensors
 from presets import preset_config
@@ -830,10 +832,11 @@ def test_prefill_plus_decode_equals_forward(preset):
     ids = ids_for(model.config, 2, 12, seed=4)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        for split in (1, 5, 9):
-            out = model(ids[:, :split], use_cache=True)
+        for split, kind in ((1, KimiHybridCache), (5, KimiHybridCache), (9, KimiHybridCache), (5, None)):
+            # a KimiHybridCache, and (kind None) the default cache: transformers' own DynamicCache, used as it is
+            out = model(ids[:, :split], past_key_values=kind(model.config) if kind else None, use_cache=True)
             cache, steps = out.past_key_values, [out.logits]
-            assert isinstance(cache, KimiHybridCache)
+            assert isinstance(cache, KimiHybridCache) if kind else type(cache) is DynamicCache
             for t in range(split, 12):
                 o = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
                 cache = o.past_key_values
@@ -964,7 +967,7 @@ def test_cache_save_load_continues_decode(tmp_path):
     ids = ids_for(model.config, 2, 10, seed=8)
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        out = model(ids[:, :7], use_cache=True)
+        out = model(ids[:, :7], past_key_values=KimiHybridCache(model.config), use_cache=True)
         out.past_key_values.save(str(tmp_path / "c.safetensors"))
         cache = KimiHybridCache.load(str(tmp_path / "c.safetensors"), model.config)
         o = model(ids[:, 7:], past_key_values=cache, use_cache=True)
@@ -997,7 +1000,7 @@ def test_k3_cache_memory_at_128k():
     # the shapes the model writes: check them on a tiny K3 model's real cache
     tiny = tiny_model("tiny-k3")
     with torch.no_grad():
-        real = tiny(ids_for(tiny.config, 1, 5), use_cache=True).past_key_values
+        real = tiny(ids_for(tiny.config, 1, 5), past_key_values=KimiHybridCache(tiny.config), use_cache=True).past_key_values
     ref = _meta_cache(tiny.config, 5, torch.float32, torch.float32, torch.float32)
     for a, b in zip(real.layers, ref.layers):
         assert {k: (tuple(v.shape), v.dtype) for k, v in layer_tensors(a).items()} == {
