@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import inspect
 import json
 import os
@@ -62,30 +61,13 @@ import torch
 from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
 from kimi_hybrid import mla_kimi_hybrid as mla
 from kimi_hybrid.conversion.native import native_state_dict_views
+from kimi_hybrid.engine_kimi_hybrid import GraphDecoder, to_static_cache
 
 
 HBM_BPS = 4.8e12  # datasheet; the benchmark measures its own (R["setup"]["hbm_GBps"]) and uses that
 LIN, FULL = "linear_attention", "full_attention"
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-
-
-def graph_engine():
-    """(``GraphDecoder``, ``to_static_cache``) from the module that holds them: the engine module where present,
-    else ``kimi_hybrid.kernels.cuda_graph``."""
-    for name in ("kimi_hybrid.engine_kimi_hybrid", "kimi_hybrid.kernels.cuda_graph"):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        if hasattr(mod, "GraphDecoder") and hasattr(mod, "to_static_cache"):
-            return mod.GraphDecoder, mod.to_static_cache
-    raise ImportError("neither kimi_hybrid.engine_kimi_hybrid nor kimi_hybrid.kernels.cuda_graph has GraphDecoder")
-
-
-GraphDecoder, to_static_cache = graph_engine()
 
 
 def sync():

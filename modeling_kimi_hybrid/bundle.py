@@ -18,7 +18,7 @@ __all__ = ["AUTO_MAP", "BUNDLE_GLOB", "BUNDLE_REQUIRED", "TOKENIZER_AUTO_MAP", "
 
 BUNDLE_GLOB = "*_kimi_hybrid.py"
 BUNDLE_REQUIRED = ("configuration_kimi_hybrid.py", "conversion_kimi_hybrid.py", "modeling_kimi_hybrid.py",
-                   "cache_kimi_hybrid.py", "kda_kimi_hybrid.py", "tokenization_kimi_hybrid.py")
+                   "cache_kimi_hybrid.py", "engine_kimi_hybrid.py", "kda_kimi_hybrid.py", "tokenization_kimi_hybrid.py")
 AUTO_MAP: Dict[str, str] = {
     "AutoConfig": "configuration_kimi_hybrid.KimiHybridConfig",
     "AutoModel": "modeling_kimi_hybrid.KimiHybridModel",

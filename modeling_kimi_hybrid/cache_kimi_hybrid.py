@@ -685,6 +685,7 @@ class KimiHybridCache(Cache):
             else:
                 layer.allocate(batch_size, Dl, dtype, device)
         self.key_mask = torch.zeros(batch_size, self.max_cache_len, dtype=torch.bool, device=device)
+        _static_address(self.key_mask)  # written in place by every step (inductor's cudagraphs take no other)
         self._pos = torch.zeros((), dtype=torch.long, device=device)
         _static_address(self._pos)
         self._static_ready = True
@@ -1221,14 +1222,45 @@ class KimiHybridCache(Cache):
         dtype = kda[0].dtype if kda else held[0].dtype
         st = KimiHybridCache(self.config, max_cache_len=max_cache_len, batch_size=self.batch_size, dtype=dtype,
                              device=held[0].device)
-        for a, b in zip(st.layers, self.layers):
-            if is_kda_layer(a):
-                kda_store(a, b.conv_states[0], b.recurrent_states[0], fixed=True)
-            else:
-                a.latent[:, :T].copy_(b.latent)
-        st.key_mask[:, :T].copy_(self.key_mask[:, :T])
-        st.seen_tokens = T
+        st.copy_state_from(self)
         return st
+
+    def copy_state_from(self, src: "KimiHybridCache") -> None:
+        """Make this cache hold the tokens of ``src`` (same model and batch; either kind): a static cache in place
+        (its buffers keep their addresses, so a graph captured over them stays valid; rows past ``src``'s length
+        zeroed), a dynamic one with copies of exactly ``src``'s length. Rollback records are dropped, the recording
+        switch follows ``src``.
+
+        Raises:
+            ValueError: a static cache smaller than ``src``'s length, or another batch size.
+        """
+        T = src.seen_tokens
+        if self.static and T > self.max_cache_len:
+            raise ValueError(f"the cache holds {T} tokens, more than max_cache_len={self.max_cache_len}")
+        if self.batch_size is not None and src.batch_size is not None and src.batch_size != self.batch_size:
+            raise ValueError(f"the cache holds batch {src.batch_size} but this cache holds batch {self.batch_size}")
+        self.reset()
+        for a, b in zip(self.layers, src.layers):
+            if is_kda_layer(a):
+                t = kda_tensors(b)
+                if t:
+                    kda_store(a, *(t[n] if self.static else t[n].clone() for n in ("conv_state", "recurrent_state")),
+                              fixed=self.static)
+            elif b.latent is None:
+                continue
+            elif self.static:
+                a.latent[:, :T].copy_(b.latent[:, :T])
+            else:
+                a.latent = b.latent[:, :T].clone()
+        if src.key_mask is not None and self.static:
+            self.key_mask[:, :T].copy_(src.key_mask[:, :T])
+        elif src.key_mask is not None:
+            self.key_mask = src.key_mask[:, :T].clone()
+        if src.recording:
+            self.activate_past_recording()
+        else:
+            self.deactivate_past_recording()
+        self.seen_tokens = T
 
     def fork(self, batch_repeats: int = 1) -> "KimiHybridCache":
         """An independent copy to continue from (an agent branch, or one shared prefix for many prompts): a

@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover
 
 from .cache_kimi_hybrid import KimiHybridCache
 from .cache_view_kimi_hybrid import resolve_cache
+from .engine_kimi_hybrid import DecodeGraphs, generate_from_prefix, generate_with_graphs, prefill_prefix
 from .compat_kimi_hybrid import GENERATION_CACHE_NAME, cache_field, output_cache, pop_cache_kwargs, resolve_cache_arg
 from .compat_kimi_hybrid import compiling as _compiling, graph_capturing as _graph_capturing
 from .configuration_kimi_hybrid import FULL, LINEAR, KimiHybridConfig
@@ -678,6 +679,12 @@ class KimiHybridModel(KimiHybridPreTrainedModel):
         return h
 
 
+# arguments of ``generate`` that transformers hands on to the decoding loop with the model's keywords (tokenizers for
+# stop strings and assisted decoding, the assistant, the streamer, the distributed switch); the forward never takes them
+_GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer", "target_tokenizer", "assistant_model", "streamer",
+                         "synced_gpus", "inputs_tensor")
+
+
 class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     """Causal LM head over :class:`KimiHybridModel`. Loss with ``labels`` (shifted inside, -100 ignored),
     ``logits_to_keep`` (int: last N positions, 0 = all; or a 1-D index tensor). Generation uses
@@ -742,6 +749,13 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         Raises:
             TypeError: a keyword this model does not take. ValueError: as :meth:`KimiHybridModel.forward`.
         """
+        graphs = self.__dict__.get("_decode_graphs")
+        if graphs is not None and graphs.active:
+            step = graphs.step(input_ids, resolve_cache_arg(past_key_values, cache), self._graph_eligible(
+                inputs_embeds, labels, shift_labels, cu_seqlens, attention_mask, logits_to_keep, return_dict,
+                output_attentions, output_hidden_states, output_router_logits, kwargs))
+            if step is not None:
+                return MoeCausalLMOutputWithPast(logits=step[0], **cache_field(step[1]))
         model_kwargs = {k: v for k, v in (("output_attentions", output_attentions),
                                           ("output_hidden_states", output_hidden_states),
                                           ("output_router_logits", output_router_logits)) if v is not None}
@@ -774,6 +788,20 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return res if return_dict is not False else res.to_tuple()
+
+    def _graph_eligible(self, inputs_embeds, labels, shift_labels, cu_seqlens, attention_mask, logits_to_keep,
+                        return_dict, output_attentions, output_hidden_states, output_router_logits, kwargs) -> bool:
+        """Whether a forward's arguments allow a captured decode step (logits of the new token only, no output
+        flags, labels, embeddings, packing or 4-D masks); the engine checks the ids and the cache."""
+        cfg = self.config
+        flags = (output_attentions, output_hidden_states, output_router_logits)
+        defaults = (cfg.output_attentions, cfg.output_hidden_states, getattr(cfg, "output_router_logits", False))
+        if any(bool(d if f is None else f) for f, d in zip(flags, defaults)):
+            return False
+        return (inputs_embeds is None and labels is None and shift_labels is None and cu_seqlens is None and not kwargs
+                and (attention_mask is None or attention_mask.dim() == 2)
+                and isinstance(logits_to_keep, int) and logits_to_keep in (0, 1)
+                and (return_dict if return_dict is not None else getattr(cfg, "return_dict", True)) is not False)
 
     def router_aux_loss(self, router_logits: Tuple[torch.Tensor, ...],
                         attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -823,6 +851,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         KDA / MLA masks from it; with a static cache, only its columns of the new tokens: the cache holds the rest). The cache comes as ``past_key_values`` (transformers
         <= 5.23) or ``cache`` (5.24 on) and is handed on under the installed transformers' name."""
         cache = resolve_cache_arg(past_key_values, kwargs.pop("cache", None))
+        for name in _GENERATE_ONLY_KWARGS:  # generate's own arguments, consumed by generate: never the forward's
+            kwargs.pop(name, None)
         kwargs[GENERATION_CACHE_NAME] = cache
         if (kwargs.get("next_sequence_length") is None and inputs_embeds is None and isinstance(cache, KimiHybridCache)
                 and all(cache.is_linear)):
@@ -846,7 +876,6 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         return inputs
 
     # -- prefix reuse ---------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def prefill_prefix(self, prefix_ids: torch.LongTensor,
                        attention_mask: Optional[torch.Tensor] = None) -> KimiHybridCache:
         """Run a prefix shared by many prompts (a system prompt, an agent's tool list, a document) once.
@@ -854,12 +883,8 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         ``prefix_ids [1, P]`` (or ``[B, P]``). Returns its :class:`KimiHybridCache`; keep it as the snapshot and give
         each continuation ``prefix_cache.fork()`` (or use :meth:`generate_from_prefix`), so the prefix is never
         recomputed. Only the last position's logits are computed."""
-        cache = KimiHybridCache(self.config)
-        self(input_ids=prefix_ids, attention_mask=attention_mask, cache=cache, use_cache=True,
-             logits_to_keep=1)
-        return cache
+        return prefill_prefix(self, prefix_ids, attention_mask)
 
-    @torch.no_grad()
     def generate_from_prefix(self, prefix_cache: KimiHybridCache, prefix_ids: torch.LongTensor,
                              suffixes: List[torch.LongTensor], **generate_kwargs):
         """Generate for many prompts ``prefix + suffix_i`` in one batch, reusing ``prefix_cache`` (from
@@ -868,27 +893,49 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         Rows are ``prefix | pads | suffix_i`` (interior padding, so every prompt ends in the last column; pads
         change nothing, see :meth:`KimiHybridModel.forward`) with the prefix cache forked to ``len(suffixes)`` rows;
         ``prefix_cache`` itself is left untouched. ``suffixes``: 1-D id tensors (at least one token each).
-        Returns what ``generate`` returns (``sequences [n, P + max_suffix + new]``)."""
-        if prefix_ids.dim() != 2 or prefix_ids.shape[0] != 1:
-            raise ValueError(f"prefix_ids must be [1, P], got {tuple(prefix_ids.shape)}")
-        P = prefix_ids.shape[1]
-        if prefix_cache.get_seq_length() != P or prefix_cache.batch_size != 1:
-            raise ValueError(f"prefix_cache holds {prefix_cache.get_seq_length()} tokens of batch "
-                             f"{prefix_cache.batch_size}; expected the cache of prefix_ids ({P} tokens, batch 1)")
-        if not suffixes or any(s.dim() != 1 or s.numel() == 0 for s in suffixes):
-            raise ValueError("suffixes must be a non-empty list of non-empty 1-D id tensors")
-        n, S = len(suffixes), max(int(s.numel()) for s in suffixes)
-        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-        ids = torch.full((n, P + S), pad, dtype=prefix_ids.dtype, device=prefix_ids.device)
-        mask = torch.zeros(n, P + S, dtype=torch.long, device=prefix_ids.device)
-        ids[:, :P] = prefix_ids
-        mask[:, :P] = 1
-        for i, s in enumerate(suffixes):
-            ids[i, P + S - s.numel():] = s.to(ids.device)
-            mask[i, P + S - s.numel():] = 1
-        generate_kwargs.setdefault("pad_token_id", pad)
-        generate_kwargs[GENERATION_CACHE_NAME] = prefix_cache.fork(n)
-        return self.generate(ids, attention_mask=mask, **generate_kwargs)
+        Returns what ``generate`` returns (``sequences [n, P + max_suffix + new]``); decodes with graphs as
+        :meth:`generate` does."""
+        return generate_from_prefix(self, prefix_cache, prefix_ids, suffixes, **generate_kwargs)
+
+    # -- graph decoding ---------------------------------------------------------------------------------------------
+    def generate(self, *args, cuda_graphs: Optional[bool] = None, **kwargs):
+        """transformers' ``generate`` (every argument it documents), whose decode steps replay captured CUDA graphs
+        on CUDA (see ``engine_kimi_hybrid``): one graph per (batch, cache capacity bucket), cached on the model.
+
+        ``cuda_graphs``: False decodes eagerly (as on CPU); None (default) reads the generation config's
+        ``cuda_graphs`` field, else True. Steps that need the eager path take it (output flags, assisted /
+        prompt-lookup verification and drafting, transformers caches other than :class:`KimiHybridCache`); a
+        ``compile_config`` asks for transformers' own compiled path instead of graphs.
+
+        Raises:
+            ValueError: a filled cache whose sequence the input does not extend (the input must hold the cached
+                tokens plus at least one new one), and what transformers' ``generate`` raises.
+        """
+        return generate_with_graphs(self, super().generate, args, kwargs, cuda_graphs)
+
+    def decode_graphs(self) -> DecodeGraphs:
+        """The model's cache of CUDA-graph decode steps (created at the first call)."""
+        graphs = self.__dict__.get("_decode_graphs")
+        if graphs is None:
+            graphs = self.__dict__["_decode_graphs"] = DecodeGraphs(self)
+        return graphs
+
+    def cuda_graphs_memory(self) -> dict:
+        """What the cached decode graphs hold: ``{"graphs", "total_bytes", "slots": [{"batch", "capacity", "dtype",
+        "bytes"}]}`` (each slot: its static workspace cache, buffers and graph pool)."""
+        return self.decode_graphs().memory()
+
+    def release_cuda_graphs(self) -> int:
+        """Free the cached decode graphs and their workspaces; returns the bytes freed. The next ``generate``
+        captures again."""
+        return self.decode_graphs().release()
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compiled forward for decode steps; inside a graph-decoding ``generate`` the plain forward,
+        whose decode steps replay the captured graphs."""
+        if self.decode_graphs().active:
+            return self.__call__
+        return super().get_compiled_call(compile_config)
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs):
         """Called by ``prepare_inputs_for_generation`` for a compileable (static) cache: keep the 2-D padding mask,
@@ -898,6 +945,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Build a :class:`KimiHybridCache` (static when ``cache_implementation="static"``) instead of transformers'
         DynamicCache / StaticCache."""
+        self.decode_graphs().expect_length(generation_config.max_length)  # sizes the graph steps' first bucket
         user = pop_cache_kwargs(model_kwargs)  # either name (transformers 5.24 renamed it to `cache`)
         if user is not None:
             model_kwargs[GENERATION_CACHE_NAME] = user
@@ -917,7 +965,9 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
                 max_len = max(max_len, generation_config.max_cache_len)
             # transformers' rule (GenerationMixin._prepare_static_cache): never shrink below an earlier request's
             # length, so a compiled decode step sees the same shapes and does not recompile for a shorter request
-            max_len = max(int(max_len), getattr(self, "_previous_max_cache_length", -1))
+            # and rounded up to the capacity bucket of the graph decode steps: a longer request inside the bucket
+            # reuses the captured graph (or the compiled step) of the same shapes
+            max_len = self.decode_graphs().bucket(max(int(max_len), getattr(self, "_previous_max_cache_length", -1)))
             self._previous_max_cache_length = max_len
             model_kwargs[GENERATION_CACHE_NAME] = KimiHybridCache(self.config, max_cache_len=int(max_len))
         elif impl in (None, "dynamic"):

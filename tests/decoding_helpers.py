@@ -70,3 +70,26 @@ def no_weight_reads(monkeypatch):
     monkeypatch.setattr(transformers.modeling_utils, "safe_open", refuse)
     monkeypatch.setattr(safetensors, "safe_open", refuse)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+
+
+class CountingCapture:
+    """Wraps a graph object of ``engine_kimi_hybrid`` (``EagerCapture``, ``CudaGraphCapture``) and counts its
+    captures and replays (tests of ``generate``'s graph decode steps)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.captures = 0
+        self.replays = 0
+
+    def supports(self, device) -> bool:
+        return self.inner.supports(device)
+
+    def __call__(self, fn, device):
+        replay, out, nbytes = self.inner(fn, device)
+        self.captures += 1
+
+        def counted():
+            self.replays += 1
+            replay()
+
+        return counted, out, nbytes

@@ -12,7 +12,7 @@ import torch
 from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid.kernels import bench_h200 as bench
 
-to_static_cache = bench.to_static_cache
+from kimi_hybrid.engine_kimi_hybrid import to_static_cache  # noqa: E402
 
 
 def test_tiny_rehearsal_config_builds_without_the_test_presets():

@@ -25,7 +25,8 @@ from decoding_helpers import _one_thread, gen, logits_nocache, rand_ids  # noqa:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(ROOT, "modeling_kimi_hybrid")
-MODEL_FILES = [os.path.join(BUNDLE, "modeling_kimi_hybrid.py"), os.path.join(ROOT, "kernels", "cuda_graph.py")]
+MODEL_FILES = [os.path.join(BUNDLE, f"{name}_kimi_hybrid.py")
+               for name in ("modeling", "kda_layer", "masks", "engine", "mla", "kda")]
 # cache internals the model must not name (fields, private helpers, per-layer-type branching)
 FORBIDDEN = [r"\.layers\[", r"recurrent_states", r"conv_states", r"\.records\b", r"\.recording\b",
              r"cache\.static\b", r"\bkey_mask\b", r"\.last_hidden\b", r"\._pos\b", r"\.latent\b",

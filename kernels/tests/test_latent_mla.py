@@ -116,7 +116,7 @@ def test_expert_implementations_are_registered_with_transformers(impl):
 
 
 def test_static_cache_copy_and_prefill_to_static():
-    from kimi_hybrid.kernels.cuda_graph import prefill_to_static
+    from kimi_hybrid.engine_kimi_hybrid import prefill_to_static
 
     cfg = preset_config("tiny-mla-first")
     torch.manual_seed(3)
