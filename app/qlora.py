@@ -39,7 +39,7 @@ class KimiFP8ExpertsLora(nn.Module, LoraLayer):
     """PEFT LoRA layer for :class:`KimiFP8Experts` (and, after :func:`dequantize_model_`, ``KimiExperts``).
 
     Per adapter: ``lora_gate_up_A [E, r, D]``, ``lora_gate_up_B [E, 2F, r]``, ``lora_down_A [E, r, F]``,
-    ``lora_down_B [E, D, r]`` in the base's compute dtype; expert e's weights become ``W_e + scaling * B_e A_e``
+    ``lora_down_B [E, D, r]`` in fp32 (cast to the activation dtype per product); expert e's weights become ``W_e + scaling * B_e A_e``
     (``scaling = alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA). ``init_lora_weights=True``: A Kaiming-uniform,
     B zero (the adapter starts as the identity); ``False``: both random (tests).
     """
@@ -64,7 +64,7 @@ class KimiFP8ExpertsLora(nn.Module, LoraLayer):
         base = self.get_base_layer()
         E, F2, D = base.gate_up_proj.shape
         F_ = base.down_proj.shape[-1]
-        dtype = getattr(base, "compute_dtype", base.gate_up_proj.dtype)
+        dtype = torch.float32  # as PEFT's autocast_adapter_dtype keeps half-precision models' adapters
         dev = base.gate_up_proj.device
         shapes = {"lora_gate_up_A": (E, r, D), "lora_gate_up_B": (E, F2, r), "lora_down_A": (E, r, F_),
                   "lora_down_B": (E, D, r)}

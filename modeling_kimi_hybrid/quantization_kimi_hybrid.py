@@ -288,3 +288,4 @@ def fp8_quantization_config(block_size: Sequence[int] = DEFAULT_BLOCK_SIZE,
     ``FineGrainedFP8Config`` schema (``quant_method="fp8"``, dynamic activations, fp32 scales)."""
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(_check_block(block_size)),
             "modules_to_not_convert": list(modules_to_not_convert)}
+
