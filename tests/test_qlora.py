@@ -24,14 +24,6 @@ from presets import preset_config  # noqa: E402
 BLOCK = (16, 16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny(preset="tiny-kda-first", seed=0):
     torch.manual_seed(seed)
     return KimiHybridForCausalLM(preset_config(preset)).eval()
