@@ -42,6 +42,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from kimi_hybrid.kernels.probe_h200 import cuda_time
+
 HIDDEN, KDA_HEADS, KDA_DIM = 2304, 32, 128
 EXPERTS, TOP_K, MOE_INTER = 256, 8, 1024
 MLA_HEADS, LATENT_R, LATENT_ROPE = 32, 512, 64
@@ -78,15 +80,7 @@ def time_per_call(make_args: Callable[[int], tuple], fn: Callable, n_sets: int, 
             def run():
                 for a in calls:
                     fn(*a)
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+        return cuda_time(run, replays) / reps
 
 
 def sets_for(bytes_per_set: int) -> int:

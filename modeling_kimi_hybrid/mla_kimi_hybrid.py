@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from .kernels_kimi_hybrid import load_kernel
 
-__all__ = ["attend_decompressed", "attend_latent", "latent_context", "attend_interface", "decompress_kv", "merge_partials",
+__all__ = ["attend_decompressed", "attend_latent", "latent_context", "attend_interface", "decompress_kv",
+           "merge_partials",
            "block_attention_lse", "fused_backend", "interface_mask", "mla_eager_attention_forward", "KV_BLOCK_BYTES",
            "SCORE_BLOCK_BYTES"]
 
@@ -447,8 +448,8 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, kv_b_weight: torch.Tens
     if attn_mask is None and T > 1:
         q_abs = torch.arange(T, device=q.device) + (S - T)
         attn_mask = (torch.arange(S, device=q.device).view(1, S) <= q_abs.view(T, 1)).view(1, 1, T, S)
-    kernel = load_kernel("mla_decode") if latent.is_cuda and not _compiling() else None
-    if kernel is not None and not torch.is_grad_enabled() and kernel.latent_decode_supports(qf, latent, r):
+    kernel = load_kernel("mla_decode") if latent.is_cuda and not _compiling() and not torch.is_grad_enabled() else None
+    if kernel is not None and kernel.latent_decode_supports(qf, latent, r, attn_mask, H):
         ctx = kernel.latent_decode_attention(qf, latent, attn_mask, num_heads=H, kv_lora_rank=r, scaling=scaling)
     else:
         ctx = latent_context(qf, latent, attn_mask, num_heads=H, kv_lora_rank=r, scaling=scaling)

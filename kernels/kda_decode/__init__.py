@@ -6,4 +6,5 @@ from .fused import kda_decode_step, kda_decode_step_supports
 from .naive import naive_kda_decode, naive_kda_decode_step
 from .recurrent import kda_decode_triton
 
-__all__ = ["kda_decode_step", "kda_decode_step_supports", "kda_decode_triton", "naive_kda_decode", "naive_kda_decode_step"]
+__all__ = ["kda_decode_step", "kda_decode_step_supports", "kda_decode_triton", "naive_kda_decode",
+           "naive_kda_decode_step"]

@@ -32,7 +32,7 @@ def _conv_silu(x_ptr, cs_ptr, w_ptr, ch, cmask, taps, W: tl.constexpr, VALID):
     m2 = cmask[:, None] & (taps[None, :] < W)
     x_new = tl.load(x_ptr + ch, mask=cmask, other=0.0)
     older = tl.load(cs_ptr + ch[:, None] * W + taps[None, :] + 1, mask=m2 & (taps[None, :] + 1 < W), other=0.0)
-    window = tl.where(taps[None, :] == W - 1, x_new[:, None], older)
+    window = tl.where(taps[None, :] == W - 1, x_new[:, None], older.to(dt))
     wt = tl.load(w_ptr + ch[:, None] * W + taps[None, :], mask=m2, other=0.0).to(dt)
     y = tl.sum((window.to(dt) * wt).to(tl.float32), axis=1).to(dt).to(tl.float32)
     tl.store(cs_ptr + ch[:, None] * W + taps[None, :], window.to(cs_ptr.dtype.element_ty), mask=m2 & VALID)
@@ -55,7 +55,7 @@ def _kda_step_kernel(x_ptr, cs_ptr, cw_ptr, graw_ptr, alog_ptr, dtb_ptr, braw_pt
     taps = tl.arange(0, BW)
     mk = ok < K
     mv = ov < V
-    valid = True
+    valid = b >= 0  # an i1 scalar: every row valid
     if HAS_VALID:
         valid = tl.load(valid_ptr + b) != 0
     xr = x_ptr + b * 3 * P

@@ -112,11 +112,20 @@ def default_num_splits(S: int, device: torch.device) -> int:
     return max(1, min(sms, triton.cdiv(S, MIN_KEYS_PER_SPLIT)))
 
 
-def latent_decode_supports(q: torch.Tensor, latent: torch.Tensor, kv_lora_rank: int) -> bool:
-    """Whether :func:`latent_decode_attention` serves these shapes: ``kv_lora_rank`` and the rope width powers of two
-    >= 16, matching float dtypes, the latent's last dim contiguous."""
+def latent_decode_supports(q: torch.Tensor, latent: torch.Tensor, kv_lora_rank: int,
+                           attn_mask: Optional[torch.Tensor] = None, num_heads: int = 1) -> bool:
+    """Whether :func:`latent_decode_attention` serves these inputs: ``q [B, T*H, D]`` and ``latent [B, S, D]`` of
+    one float dtype with ``kv_lora_rank`` and the rope width powers of two >= 16, the latent's last dim contiguous,
+    and ``attn_mask`` None or bool ``[B | 1, 1, T, S]``."""
+    if q.dim() != 3 or latent.dim() != 3 or q.shape[0] != latent.shape[0] or q.shape[1] % num_heads:
+        return False
     rope = latent.shape[-1] - kv_lora_rank
     pow2 = all(d >= 16 and d & (d - 1) == 0 for d in (kv_lora_rank, rope))
+    if attn_mask is not None:
+        B, T, S = q.shape[0], q.shape[1] // num_heads, latent.shape[1]
+        if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or tuple(attn_mask.shape[1:]) != (1, T, S) \
+                or attn_mask.shape[0] not in (1, B):
+            return False
     return (pow2 and q.shape[-1] == latent.shape[-1] and q.dtype == latent.dtype
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and latent.stride(-1) == 1)
 
@@ -145,18 +154,15 @@ def latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, attn_mask: Op
     B, M, D = q.shape
     S = latent.shape[1]
     R = kv_lora_rank
-    if latent.dim() != 3 or latent.shape[0] != B or not latent_decode_supports(q, latent, R) or M % num_heads:
+    if not latent_decode_supports(q, latent, R, attn_mask, num_heads):
         raise ValueError(f"latent_decode_attention: q {tuple(q.shape)} {q.dtype}, latent {tuple(latent.shape)} "
-                         f"{latent.dtype}, kv_lora_rank {R}, {num_heads} heads: needs q [B, T*H, r + rope] and "
-                         "latent [B, S, r + rope] of one float dtype, r and rope powers of two >= 16")
-    T = M // num_heads
-    mask = None
-    if attn_mask is not None:
-        if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or tuple(attn_mask.shape[1:]) != (1, T, S) \
-                or attn_mask.shape[0] not in (1, B):
-            raise ValueError(f"attn_mask must be bool [B | 1, 1, T, S] = [{B} | 1, 1, {T}, {S}], got "
-                             f"{tuple(attn_mask.shape)} {attn_mask.dtype}")
-        mask = attn_mask[:, 0]
+                         f"{latent.dtype}, kv_lora_rank {R}, {num_heads} heads, mask "
+                         f"{None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)}: needs q "
+                         "[B, T*H, r + rope] and latent [B, S, r + rope] of one float dtype, r and rope powers of two "
+                         ">= 16, and a bool mask [B | 1, 1, T, S] or None")
+    mask = None if attn_mask is None else attn_mask[:, 0]
+    if q.dtype == torch.float32:  # fp32 tiles are twice the bytes: smaller key tiles, no pipelining (fits on-chip)
+        block_n, num_stages = min(block_n, 16), 1
     n_splits = num_splits or default_num_splits(S, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(max(S, 1), n_splits), block_n) * block_n
     n_splits = max(1, triton.cdiv(S, keys_per_split))

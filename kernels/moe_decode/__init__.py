@@ -6,4 +6,5 @@ from .gemv import GEMV_CONFIGS, GemvConfig, gemv_config, moe_decode_gemv
 from .naive import naive_moe_decode, naive_route_topk
 from .routing import route_topk_supports, route_topk_triton
 
-__all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_config", "moe_decode_gemv", "naive_moe_decode", "naive_route_topk", "route_topk_supports", "route_topk_triton"]
+__all__ = ["GEMV_CONFIGS", "GemvConfig", "gemv_config", "moe_decode_gemv", "naive_moe_decode", "naive_route_topk",
+           "route_topk_supports", "route_topk_triton"]
