@@ -630,3 +630,18 @@ def test_attn_res_projection_would_be_bypassed():
                                                                      "output_attn_res_proj"]))
     with torch.no_grad():
         assert pm(input_ids=x).logits.shape == want.shape
+
+
+def test_autotune_results_are_counted_and_cpu_models_get_no_notice(tmp_path, monkeypatch):
+    """triton_autotune_results counts *.autotune.json below TRITON_CACHE_DIR; a CPU model never gets the
+    cold-autotune notice (there is no Triton kernel to tune)."""
+    from kimi_hybrid.app.lora import notice_cold_autotune, triton_autotune_results
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_autotune_results() == 0
+    (tmp_path / "ab12").mkdir()
+    (tmp_path / "ab12" / "chunk_kda_bwd.autotune.json").write_text("{}")
+    (tmp_path / "ab12" / "chunk_kda_bwd.json").write_text("{}")
+    assert triton_autotune_results() == 1
+    assert triton_autotune_results(str(tmp_path / "missing")) == 0
+    assert notice_cold_autotune(tiny()) is False
