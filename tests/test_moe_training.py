@@ -19,14 +19,6 @@ from presets import preset_config
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
@@ -43,6 +35,17 @@ def make_experts(cfg, device="cpu", dtype=torch.float32, seed=0):
     torch.nn.init.normal_(ex.gate_up_proj, std=0.2)
     torch.nn.init.normal_(ex.down_proj, std=0.2)
     return ex.to(device, dtype)
+
+
+def random_block(cfg, seed):
+    """A KimiMoE block with N(0, 0.2) weights and a zero balancing bias."""
+    torch.manual_seed(seed)
+    block = moe.KimiMoE(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.zero_()
+    return block
 
 
 def naive_experts(x, idx, w, gate_up, down, F_):
@@ -130,12 +133,7 @@ def test_moe_block_router_grad_matches_reference():
     """KimiMoE (router + grouped experts + shared expert), fp32: the gradients of x and of the router weight
     match a reference built from route_topk + the per-token loop + the shared MLP (relative L2 1e-5)."""
     cfg = experts_cfg(num_shared_experts=1)
-    torch.manual_seed(3)
-    block = moe.KimiMoE(cfg)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    with torch.no_grad():
-        block.gate.e_score_correction_bias.zero_()
+    block = random_block(cfg, seed=3)
     x = torch.randn(2, 7, cfg.hidden_size, requires_grad=True)
     g = torch.randn_like(x)
     params = (x, block.gate.weight, block.experts.gate_up_proj)
@@ -172,12 +170,7 @@ class _Holder(torch.nn.Module):
 
 
 def lora_block(cfg, r=8, seed=5, adapters=("default",)):
-    torch.manual_seed(4)
-    block = moe.KimiMoE(cfg)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    with torch.no_grad():
-        block.gate.e_score_correction_bias.zero_()
+    block = random_block(cfg, seed=4)
     torch.manual_seed(seed)
     lc = LoraConfig(r=r, lora_alpha=2 * r, target_parameters=list(EXPERT_PARAMETERS), init_lora_weights=False)
     pm = get_peft_model(_Holder(block), lc, adapter_name=adapters[0])
