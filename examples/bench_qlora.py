@@ -83,6 +83,15 @@ def build_quantized(cfg, device, block):
     return model.train()
 
 
+def _train_step(pm, opt, ids) -> float:
+    """One optimizer step on ``ids`` (labels = ids, the step of examples/bench_lora.py); returns the loss."""
+    out = pm(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out.loss.item()
+
+
 def bench(model, cfg, args, device):
     from peft import get_peft_model
 
@@ -100,11 +109,7 @@ def bench(model, cfg, args, device):
                         generator=torch.Generator().manual_seed(1)).to(device)
 
     def step():
-        loss = pm(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return _train_step(pm, opt, ids)
 
     out = {"trainable_params": sum(p.numel() for p in trainable), "weights_gib": weights}
     t0 = time.perf_counter()
