@@ -43,9 +43,10 @@ Fast paths with an adapter (checked in ``tests/test_lora.py``):
   back to decompressing the latent through the module, so the adapter is always applied. After
   ``merge_and_unload()`` the layer is a plain ``nn.Linear`` again holding the merged weight, and the absorbed path
   uses it.
-* Routed experts read ``gate_up_proj`` / ``down_proj`` once per forward through the module attribute, which is
-  where PEFT's ``ParamWrapper`` (a ``torch.nn.utils.parametrize`` parametrisation) returns ``W + B A``; the GPU
-  grouped-GEMM path reads the same tensors.
+* Routed experts: the MoE block recognises PEFT's ``ParamWrapper`` on ``gate_up_proj`` / ``down_proj`` and runs the
+  adapter as split low-rank products in the expert GEMMs (``x W^T + s (x A^T) B^T``, ``W + B A`` never formed;
+  ``kimi_hybrid.lora_experts_kimi_hybrid``); configurations it does not reproduce exactly run PEFT's own forward,
+  which reads the weights through PEFT's parametrisation (``W + B A``).
 * The KDA conv kernels are read directly too, but they are never LoRA targets (above). Likewise K3's AttnRes
   projections (``self_attention_res_proj``, ``mlp_res_proj``, ``output_attn_res_proj``, ``[1, D]``) are read as
   weights by the depth-softmax, so a LoRA wrapper on them would be bypassed; :func:`check_lora_targets` refuses
@@ -76,9 +77,15 @@ FSDP2. See ``docs/serving.md`` for export and serving.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import logging
+import os
+from pathlib import Path
+from typing import List, Optional, Tuple
 
+import torch
 import torch.nn as nn
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EXPERT_PARAMETERS",
@@ -90,6 +97,8 @@ __all__ = [
     "enable_gradient_checkpointing",
     "packing_collator",
     "merge_and_save",
+    "triton_autotune_results",
+    "notice_cold_autotune",
 ]
 
 #: fused routed-expert weights, as PEFT ``target_parameters`` (suffix match on ``<module path>.<parameter>``)
@@ -225,6 +234,31 @@ def enable_gradient_checkpointing(model) -> None:
     else:
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     target.config.use_cache = False
+    notice_cold_autotune(target)
+
+
+def triton_autotune_results(cache_dir: Optional[str] = None) -> int:
+    """The number of Triton autotune results (``*.autotune.json``) in ``cache_dir`` (default ``TRITON_CACHE_DIR``,
+    else Triton's ``~/.triton/cache``). FLA's kernels write them there (FLA 0.6 passes ``cache_results=True`` to
+    ``triton.autotune``; ``FLA_CACHE_RESULTS=0`` turns it off), so a later process reuses them."""
+    root = Path(cache_dir or os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in root.rglob("*.autotune.json")) if root.is_dir() else 0
+
+
+def notice_cold_autotune(model) -> bool:
+    """Log once (logging, WARNING) when ``model`` is on CUDA and the Triton cache holds no autotune results: the
+    first training step then autotunes FLA's forward and backward kernels, which takes minutes on a fresh machine.
+    Returns whether it logged. See docs/lora.md ("Training speed") for restoring shipped results."""
+    try:
+        on_cuda = next(model.parameters()).is_cuda
+    except StopIteration:
+        return False
+    if not on_cuda or not torch.cuda.is_available() or triton_autotune_results() > 0:
+        return False
+    logger.warning("kimi_hybrid: no Triton autotune results in the Triton cache (TRITON_CACHE_DIR): the first "
+                   "training step autotunes FLA's forward and backward kernels and can take minutes; later steps "
+                   "and later runs on this machine reuse the results (docs/lora.md, 'Training speed')")
+    return True
 
 
 def packing_collator():

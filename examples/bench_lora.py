@@ -8,21 +8,26 @@ non-reentrant) + AdamW on the LoRA parameters, on random token ids ``[batch, seq
 Triton autotuning of the FLA kernels). ``peak_GiB`` is ``torch.cuda.max_memory_allocated`` over the timed steps,
 ``weights_GiB`` the allocated memory before LoRA is attached (the frozen base weights, shared by both models).
 
+``first_step_s`` is the first step alone (on a fresh machine: FLA's forward and backward autotuning), and a line is
+printed before it so the wait is not silent. The JSON's ``summary`` holds the headline numbers ``{ours, native}``:
+``lora_train_tok_s``, ``lora_train_peak_gib``, ``lora_first_step_s``, ``lora_step_s``.
+
 The model. The 48B-A3B widths (hidden 2304, 32 KDA heads x 128, MLA 32 heads with kv_lora_rank 512, 256 experts
-top-8 with moe_intermediate 1024 + 1 shared expert, vocab 163840) on a depth-reduced slice: ``--layers 4`` =
-3 KDA + 1 MLA, every layer MoE (the released model has a dense layer 0; all-MoE keeps per-layer costs typical of
-the other 26 layers), bf16. The native model is built first on the GPU; its weights are mapped to our layout with
-``conversion.native.native_state_dict_views`` and *assigned* to our model (the same storage: no copy), so both
-route the same tokens to the same experts. A parity line reports the max |logit difference| on one batch.
+top-8 with moe_intermediate 1024 + 1 shared expert, vocab 163840), bf16, at full depth by default: ``--layers 27``
+runs the released plan (MLA at 0-based 3, 7, 11, 15, 19, 23, 26, dense layer 0, KDA + MoE elsewhere); another
+depth runs a slice of layers-1 KDA + 1 MLA, every layer MoE (``--plan slice``). The native model is built first on
+the GPU; its weights are mapped to our layout with ``conversion.native.native_state_dict_views`` and *assigned* to
+our model (the same storage: no copy), so both route the same tokens to the same experts. A parity line reports
+the max |logit difference| on one batch.
 
 LoRA: ``kimi_hybrid.app.lora.recommended_lora_config`` (r=16, alpha=32): attention q/k/v/o, MLA kv_a/kv_b,
 shared-expert MLP, routed experts through ``target_parameters``. The same module / parameter names exist in the
 native model, so one ``LoraConfig`` serves both.
 
-Usage (GPU): ``python examples/bench_lora.py --out examples/results/bench_lora_h200.json``
-CPU smoke test on small widths (``small.json``: KimiHybridConfig arguments, e.g. a tiny config of tests/presets.py
-written with ``json.dump``): ``python examples/bench_lora.py --config small.json --device cpu --seq-len 32 --steps 1
---warmup 1``
+Usage (GPU, full depth, ~4-5 min on an H200 with FLA's autotune results restored):
+``python examples/bench_lora.py --out examples/results/bench_lora_h200.json``. CPU smoke run on small widths:
+``python examples/bench_lora.py --tiny --layers 4 --device cpu --seq-len 32 --steps 1`` (or ``--config small.json``,
+a file of KimiHybridConfig arguments).
 """
 
 from __future__ import annotations
@@ -44,22 +49,54 @@ ROOT = Path(__file__).resolve().parents[1]
 LIN, FULL = "linear_attention", "full_attention"
 
 
+#: ``--tiny``: small widths for a CPU smoke run (any depth; the layer plan comes from ``--plan``)
+TINY_WIDTHS = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "q_lora_rank": None,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True,
+    "num_experts": 8, "num_experts_per_token": 2, "moe_intermediate_size": 32, "num_shared_experts": 1,
+    "routed_scaling_factor": 2.446, "moe_router_activation_func": "sigmoid", "moe_renormalize": True,
+    "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4},
+}
+
+
+def layer_plan(args):
+    """``(layer_types, mlp_layer_types)``: ``released`` = Kimi-Linear-48B-A3B's plan (27 layers, MLA at 0-based
+    3, 7, 11, 15, 19, 23, 26, dense layer 0); ``slice`` = layers-1 KDA + 1 MLA, every layer MoE."""
+    if args.plan == "released":
+        from kimi_hybrid import KimiHybridConfig
+
+        ref = KimiHybridConfig.from_preset("kimi-linear-48b-a3b")
+        if args.layers != ref.num_hidden_layers:
+            raise SystemExit(f"--plan released has {ref.num_hidden_layers} layers; pass --layers "
+                             f"{ref.num_hidden_layers} or --plan slice")
+        return list(ref.layer_types), list(ref.mlp_layer_types)
+    return [LIN] * (args.layers - 1) + [FULL], ["sparse"] * args.layers
+
+
+def plan_text(args):
+    lt, mt = layer_plan(args)
+    mla = [i for i, t in enumerate(lt) if t == FULL]
+    dense = [i for i, t in enumerate(mt) if t == "dense"]
+    return f"{args.plan}: {len(lt)} layers, MLA at {mla}, dense at {dense or 'none'}, the rest KDA + MoE"
+
+
 def build_configs(args):
     """Our config and the equivalent transformers ``KimiLinearConfig``."""
     from transformers import KimiLinearConfig
 
     from kimi_hybrid import KimiHybridConfig
 
-    layer_types = [LIN] * (args.layers - 1) + [FULL]
-    mlp_types = ["sparse"] * args.layers
-    if args.config:
-        ours = KimiHybridConfig.from_preset(args.config, num_hidden_layers=args.layers, layer_types=layer_types,
-                                            mlp_layer_types=mlp_types, first_k_dense_replace=0, num_expert_group=1,
-                                            topk_group=1)
+    layer_types, mlp_types = layer_plan(args)
+    plan = dict(num_hidden_layers=args.layers, layer_types=layer_types, mlp_layer_types=mlp_types,
+                first_k_dense_replace=mlp_types.count("dense"))
+    if args.tiny:
+        ours = KimiHybridConfig(**{**TINY_WIDTHS, **plan}, num_expert_group=1, topk_group=1)
+    elif args.config:
+        ours = KimiHybridConfig.from_preset(args.config, **plan, num_expert_group=1, topk_group=1)
     else:
-        ours = KimiHybridConfig.from_preset("kimi-linear-48b-a3b", num_hidden_layers=args.layers,
-                                            layer_types=layer_types, mlp_layer_types=mlp_types,
-                                            first_k_dense_replace=0)
+        ours = KimiHybridConfig.from_preset("kimi-linear-48b-a3b", **plan)
     lac = ours.linear_attn_config
     native = KimiLinearConfig(
         vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, intermediate_size=ours.intermediate_size,
@@ -143,11 +180,16 @@ def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None)
         return loss.item()
 
     out = {"trainable_params": sum(p.numel() for p in trainable), "weights_GiB": weights,
-           "status": "in the untimed warm-up steps (cold Triton autotuning happens here)"}
+           "status": "first step (a fresh machine autotunes FLA's Triton kernels here)"}
     progress(out)
+    print(f"[{name}] first step: on a fresh machine FLA's Triton kernels autotune here, forward and backward "
+          "(minutes without restored results; docs/lora.md 'Training speed')", flush=True)
     t0 = time.perf_counter()
-    for _ in range(args.warmup):
-        out["first_loss"] = step()
+    out["first_loss"] = step()
+    sync()
+    out["first_step_s"] = round(time.perf_counter() - t0, 3)
+    for _ in range(args.warmup - 1):
+        step()
     sync()
     out["warmup_s"] = round(time.perf_counter() - t0, 3)
     out["status"] = "timing"
@@ -170,12 +212,23 @@ def bench_one(name, model, cfg, args, device, deadline, progress=lambda d: None)
     if device.type == "cuda":
         out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     out["status"] = "done"
-    opt = trainable = None  # free the optimizer state before the native run
     pm.unload()  # remove the LoRA wrappers, keep the (shared) base weights
-    pm = None
+    pm = opt = trainable = None  # (rebound, not deleted: the step closure refers to them) free before the next model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def summary(result):
+    """The headline numbers, ``{ours, native}`` each: ``lora_train_tok_s`` (tokens / median step), ``lora_train_peak_gib``
+    (peak allocated over the timed steps, weights included), ``lora_first_step_s`` (the first step, autotuning
+    included on a cold machine), ``lora_step_s`` (median timed step)."""
+    fields = {"lora_train_tok_s": "tokens_per_s", "lora_train_peak_gib": "peak_GiB",
+              "lora_first_step_s": "first_step_s", "lora_step_s": "median_step_s"}
+    runs = {m: result[m] for m in ("ours", "native") if isinstance(result.get(m), dict)}
+    out = {k: {m: r.get(v) for m, r in runs.items()} for k, v in fields.items()}
+    out["layer_plan"] = result["setup"]["layer_plan"]
     return out
 
 
@@ -216,7 +269,11 @@ def environment(device):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4, help="depth of the slice: layers-1 KDA + 1 MLA (default 4)")
+    ap.add_argument("--layers", type=int, default=27, help="depth (default 27: the released model)")
+    ap.add_argument("--plan", choices=("released", "slice"), default=None,
+                    help="released: Kimi-Linear-48B-A3B's 27-layer plan (MLA at 3, 7, ..., 23, 26, dense layer 0; "
+                         "the default at 27 layers); slice: layers-1 KDA + 1 MLA, all MoE (the default otherwise)")
+    ap.add_argument("--tiny", action="store_true", help="small built-in widths (CPU smoke run)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rank", type=int, default=16)
@@ -235,6 +292,8 @@ def main(argv=None):
                     help="Triton autotuning limited to one config per kernel (kernels/testing.py): a cold start in "
                          "seconds instead of minutes; both models run the same untuned FLA kernels")
     args = ap.parse_args(argv)
+    if args.plan is None:
+        args.plan = "released" if args.layers == 27 else "slice"
     if args.one_config_autotune:
         from kimi_hybrid.kernels.testing import limit_triton_autotuning
 
@@ -245,8 +304,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     result = {"benchmark": "lora_training", "env": environment(device),
-              "setup": {"layers": args.layers, "layer_plan": f"{args.layers - 1} KDA + 1 MLA, all MoE",
-                        "widths": args.config or "Kimi-Linear-48B-A3B", "batch": args.batch,
+              "setup": {"layers": args.layers, "layer_plan": plan_text(args),
+                        "widths": "tiny" if args.tiny else args.config or "Kimi-Linear-48B-A3B", "batch": args.batch,
                         "seq_len": args.seq_len, "dtype": str(dtype).replace("torch.", ""), "lora_rank": args.rank,
                         "lora_alpha": 2 * args.rank, "experts_adapted": not args.no_experts,
                         "gradient_checkpointing": "non-reentrant, every decoder layer", "optimizer": "AdamW",
@@ -283,6 +342,7 @@ def main(argv=None):
         print(name, json.dumps(result[name]), flush=True)
         dump()
     result["total_s"] = round(time.perf_counter() - start, 1)
+    result["summary"] = summary(result)
     if "tokens_per_s" in result.get("ours", {}) and "tokens_per_s" in result.get("native", {}):
         result["speedup_ours_over_native"] = round(result["ours"]["tokens_per_s"] / result["native"]["tokens_per_s"],
                                                    3)

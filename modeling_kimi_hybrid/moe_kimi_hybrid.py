@@ -37,10 +37,12 @@ from transformers.integrations.moe import (
 
 from .kda_kimi_hybrid import _compiling
 from .kernels_kimi_hybrid import load_kernel
+from .lora_experts_kimi_hybrid import expert_adapters
 from .norms_kimi_hybrid import KimiRMSNorm
 
 __all__ = ["KimiMLP", "KimiRouter", "KimiExperts", "KimiMoE", "glu_act", "MOE_GEMV_MAX_PAIRS", "grouped_mm_applies",
-           "gemv_experts_forward", "grouped_experts_forward", "EXPERTS_FUNCTIONS", "route_topk"]
+           "gemv_experts_forward", "grouped_experts_forward", "combine_pairs", "EXPERTS_FUNCTIONS", "route_topk",
+           "route_weights"]
 
 MOE_GEMV_MAX_PAIRS = 32  # token-expert pairs; above this the grouped GEMM reads each hit expert once instead
 
@@ -109,44 +111,85 @@ def grouped_mm_applies(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     return _can_use_grouped_mm(xs, gate_up, offs)
 
 
-def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_):
+def _grouped_expert_mlp(config, xs, gate_up, down, counts, F_, row_w=None, adapters=None):
     """Routed experts on token-expert pairs sorted by expert.
 
     Args:
         xs: ``[M, D]`` inputs, rows sorted by expert (expert e owns ``counts[e]`` consecutive rows).
         gate_up: ``[E, 2F, D]`` fused w1 | w3. down: ``[E, D, F]`` (w2). counts: ``[E]`` int64 on xs.device.
         F_: expert intermediate width F.
+        row_w: ``[M]`` routing weight of each row (any float dtype), multiplied into the activation before the
+            down projection (so the combine is a plain sum), or None.
+        adapters: ``(gate_up_terms, down_terms)``, each a sequence of LoRA terms ``(a [E, r, in], b [E, out, r],
+            scaling)`` added as split low-rank products ``scaling * (x a_e^T) b_e^T`` (W + b a is never formed),
+            or None.
 
     Returns:
-        ``[M, D]`` in xs.dtype: ``down_e(act(gate_e(x), up_e(x)))`` for each row's expert.
+        ``[M, D]`` in xs.dtype: ``w * down_e(act(gate_e(x), up_e(x)))`` for each row's expert (w = 1 without
+        ``row_w``).
 
     On CUDA with bf16 weights this is two grouped GEMMs (``F.grouped_mm``/``torch._grouped_mm``, one CUTLASS launch
-    each over all experts; empty experts cost nothing and read no weights), with the group ends ``offs`` kept on the
-    device: no host synchronisation, so batch-1 decode neither loops over experts in Python nor blocks, and the step
-    can be CUDA-graph captured. Elsewhere (CPU, fp32, odd widths) a loop over the experts that received tokens only.
+    each over all experts; empty experts cost nothing and read no weights), plus two thin grouped GEMMs per LoRA
+    term, with the group ends ``offs`` kept on the device: no host synchronisation, so batch-1 decode neither loops
+    over experts in Python nor blocks, and the step can be CUDA-graph captured. Elsewhere (CPU, fp32, odd widths)
+    a loop over the experts that received tokens only.
     """
+    gu_terms, dn_terms = adapters if adapters is not None else ((), ())
     gm = _grouped_gemm_fn()
     offs = counts.cumsum(0).to(torch.int32)
-    if gm is not None and xs.shape[0] > 0 and grouped_mm_applies(xs, gate_up, down, offs):
-        h = gm(xs, gate_up.transpose(1, 2), offs=offs)  # [M, 2F]
-        h = glu_act(config, h[:, :F_], h[:, F_:])
-        return gm(h.contiguous(), down.transpose(1, 2), offs=offs)  # [M, D]
+    if (gm is not None and xs.shape[0] > 0 and grouped_mm_applies(xs, gate_up, down, offs)
+            and _terms_grouped_ok(gu_terms, dn_terms, xs.dtype)):
+        h = _grouped_split(gm, xs, gate_up, gu_terms, offs)  # [M, 2F]
+        h = _weigh_rows(glu_act(config, h[:, :F_], h[:, F_:]), row_w)
+        return _grouped_split(gm, h, down, dn_terms, offs)  # [M, D]
     if _compiling() or (xs.is_cuda and torch.cuda.is_current_stream_capturing()):
         # torch.compile / torch.export (any device) and CUDA-graph capture: no host read of the token counts
-        if xs.is_cuda or torch.is_grad_enabled() and any(t.requires_grad for t in (xs, gate_up, down)):
-            # (CUDA: the graph that a compiled CUDA-graph step warms up must be the one captured; with autograd:
-            # differentiable) gather each row's expert weights and use batched products: reads M expert matrices,
-            # meant for decode-sized M
+        if xs.is_cuda or adapters is not None or (
+                torch.is_grad_enabled() and any(t.requires_grad for t in (xs, gate_up, down))):
+            # (CUDA: the graph that a compiled CUDA-graph step warms up must be the one captured; with autograd or
+            # adapters: differentiable) gather each row's expert weights and use batched products: reads M expert
+            # matrices, meant for decode-sized M
             M = xs.shape[0]
             eid = torch.repeat_interleave(torch.arange(counts.numel(), device=xs.device), counts, output_size=M)
-            h = torch.bmm(gate_up.index_select(0, eid).to(xs.dtype), xs.unsqueeze(-1)).squeeze(-1)  # [M, 2F]
-            h = glu_act(config, h[:, :F_], h[:, F_:])
-            return torch.bmm(down.index_select(0, eid).to(h.dtype), h.unsqueeze(-1)).squeeze(-1)
+            h = _gathered_split(xs, gate_up, gu_terms, eid)  # [M, 2F]
+            h = _weigh_rows(glu_act(config, h[:, :F_], h[:, F_:]), row_w)
+            return _gathered_split(h, down, dn_terms, eid)
         # CPU inference: the expert loop below as one opaque operator (a custom op: traced as a single node with a
         # shape-only fake implementation), so the graph has no break and computes exactly what eager does
         beta, beta_lin = _situ_betas(config)
-        return _routed_experts_op(xs, gate_up, down, counts, config.hidden_act, beta, beta_lin)
-    return _expert_loop(xs, gate_up, down, counts, lambda g, u: glu_act(config, g, u))
+        row_w = xs.new_ones(xs.shape[0]) if row_w is None else row_w
+        return _routed_experts_op(xs, gate_up, down, counts, row_w, config.hidden_act, beta, beta_lin)
+    return _expert_loop(xs, gate_up, down, counts, lambda g, u: glu_act(config, g, u), row_w, gu_terms, dn_terms)
+
+
+def _weigh_rows(h, row_w):
+    """``h [M, F] * row_w [M, 1]`` in h.dtype (``row_w`` None: h)."""
+    return h if row_w is None else h * row_w.to(h.dtype).unsqueeze(-1)
+
+
+def _terms_grouped_ok(gu_terms, dn_terms, dtype) -> bool:
+    """Whether the grouped GEMM takes these LoRA terms: factors in ``dtype``, ranks a multiple of 8 (the
+    ``[M, r]`` intermediate's 16-byte row stride in bf16) and a unit inner stride."""
+    return all(a.dtype == b.dtype == dtype and a.shape[1] % 8 == 0 and a.stride(-1) == 1 and b.stride(-1) == 1
+               for a, b, _ in (*gu_terms, *dn_terms))
+
+
+def _grouped_split(gm, x, w, terms, offs):
+    """``x [M, in]`` sorted by expert against ``w [E, out, in]`` plus the split LoRA ``terms``: ``[M, out]``."""
+    y = gm(x, w.transpose(1, 2), offs=offs)
+    for a, b, scaling in terms:
+        t = gm(x, a.transpose(1, 2), offs=offs) * scaling  # [M, r]: the scale on the thin product
+        y = y + gm(t, b.transpose(1, 2), offs=offs)
+    return y
+
+
+def _gathered_split(x, w, terms, eid):
+    """``_grouped_split`` as batched products over each row's gathered expert matrices (``eid [M]``)."""
+    y = torch.bmm(w.index_select(0, eid).to(x.dtype), x.unsqueeze(-1)).squeeze(-1)
+    for a, b, scaling in terms:
+        t = torch.bmm(a.index_select(0, eid).to(x.dtype), x.unsqueeze(-1)) * scaling  # [M, r, 1]
+        y = y + torch.bmm(b.index_select(0, eid).to(x.dtype), t).squeeze(-1)
+    return y
 
 
 def _situ_betas(config):
@@ -156,10 +199,10 @@ def _situ_betas(config):
     return (-1.0 if b is None else float(b)), (-1.0 if bl is None else float(bl))
 
 
-def _expert_loop(xs, gate_up, down, counts, act):
+def _expert_loop(xs, gate_up, down, counts, act, row_w=None, gu_terms=(), dn_terms=()):
     """The reference: one GEMM pair per expert that received tokens (``counts`` read once on the host).
-    ``xs [M, D]`` sorted by expert, ``gate_up [E, 2F, D]``, ``down [E, D, F]``, ``act(gate, up)``. Returns
-    ``[M, D]`` in xs.dtype."""
+    ``xs [M, D]`` sorted by expert, ``gate_up [E, 2F, D]``, ``down [E, D, F]``, ``act(gate, up)``; ``row_w`` and
+    the LoRA terms as in :func:`_grouped_expert_mlp`. Returns ``[M, D]`` in xs.dtype."""
     F_ = down.shape[2]
     out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
     n_of = counts.tolist()  # one host read; then only the experts that received tokens run
@@ -168,11 +211,21 @@ def _expert_loop(xs, gate_up, down, counts, act):
         if n == 0:
             continue
         seg = xs[start:start + n]
-        h = seg @ gate_up[e].t().to(seg.dtype)
+        h = _loop_split(seg, gate_up, gu_terms, e)
         h = act(h[:, :F_], h[:, F_:])
-        out[start:start + n] = h @ down[e].t().to(h.dtype)
+        if row_w is not None:
+            h = h * row_w[start:start + n].to(h.dtype).unsqueeze(-1)
+        out[start:start + n] = _loop_split(h, down, dn_terms, e)
         start += n
     return out
+
+
+def _loop_split(x, w, terms, e):
+    """``x @ w[e]^T`` plus the split LoRA terms of expert e (the loop's form of :func:`_grouped_split`)."""
+    y = x @ w[e].t().to(x.dtype)
+    for a, b, scaling in terms:
+        y = y + ((x @ a[e].t().to(x.dtype)) * scaling) @ b[e].t().to(x.dtype)
+    return y
 
 
 class _ActConfig:
@@ -190,12 +243,12 @@ _OP_NAME = "kimi_hybrid_moe::routed_experts_" + re.sub(r"\W", "_", __name__)
 
 
 def _routed_experts_impl(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: torch.Tensor,
-                         hidden_act: str, beta: float, beta_lin: float) -> torch.Tensor:
+                         row_w: torch.Tensor, hidden_act: str, beta: float, beta_lin: float) -> torch.Tensor:
     cfg = _ActConfig(hidden_act, beta, beta_lin)
-    return _expert_loop(xs, gate_up, down, counts, lambda g, u: glu_act(cfg, g, u))
+    return _expert_loop(xs, gate_up, down, counts, lambda g, u: glu_act(cfg, g, u), row_w)
 
 
-def _routed_experts_fake(xs, gate_up, down, counts, hidden_act, beta, beta_lin):
+def _routed_experts_fake(xs, gate_up, down, counts, row_w, hidden_act, beta, beta_lin):
     return xs.new_empty(xs.shape[0], down.shape[1])
 
 
@@ -235,17 +288,34 @@ class KimiRouter(nn.Module):
 
     def route(self, logits: torch.Tensor):
         """The routing decision from ``logits [N, E]`` (fp32): ``(topk_weights [N, k] fp32, topk_idx [N, k])``. On
-        CUDA without autograd (outside ``torch.compile``) one Triton launch (``kimi_hybrid.kernels.moe_decode``)
-        where ``load_kernel`` finds it, else :func:`route_topk`."""
+        CUDA (outside ``torch.compile``) the choice is one Triton launch (``kimi_hybrid.kernels.moe_decode``) where
+        ``load_kernel`` finds it; with autograd the weights of the chosen experts are then recomputed from the
+        logits by :func:`route_weights` (``[N, k]`` elementwise work), so the router's gradient is unchanged.
+        Elsewhere :func:`route_topk`."""
         c = self.config
         kw = dict(top_k=self.top_k, num_groups=c.num_expert_group if c.use_grouped_topk else 1,
                   topk_group=c.topk_group, sigmoid=c.moe_router_activation_func == "sigmoid",
                   renormalize=c.moe_renormalize, scaling=c.routed_scaling_factor)
         bias = self.e_score_correction_bias
         kernel = load_kernel("moe_decode") if logits.is_cuda and not _compiling() else None
-        if kernel is not None and not torch.is_grad_enabled() and kernel.route_topk_supports(logits, **kw):
-            return kernel.route_topk_triton(logits, bias, **kw)
+        if kernel is not None and kernel.route_topk_supports(logits, **kw):
+            if not (torch.is_grad_enabled() and logits.requires_grad):
+                return kernel.route_topk_triton(logits, bias, **kw)
+            with torch.no_grad():
+                _, idx = kernel.route_topk_triton(logits.detach(), bias, **kw)
+            return route_weights(logits, idx, sigmoid=kw["sigmoid"], renormalize=kw["renormalize"],
+                                 scaling=kw["scaling"]), idx
         return route_topk(logits, bias, **kw)
+
+
+def route_weights(logits: torch.Tensor, idx: torch.Tensor, *, sigmoid: bool, renormalize: bool, scaling: float):
+    """The routing weights of the chosen experts ``idx [N, k]`` from ``logits [N, E]`` fp32 (differentiable):
+    their unbiased scores (sigmoid, or softmax over all E), divided by their sum (+1e-20) if ``renormalize`` and
+    k > 1, times ``scaling``. ``[N, k]`` fp32, as in :func:`route_topk`."""
+    w = logits.gather(1, idx).sigmoid() if sigmoid else logits.softmax(-1).gather(1, idx)
+    if idx.shape[-1] > 1 and renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, num_groups: int, topk_group: int,
@@ -255,7 +325,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, num_grou
     Scores ``sigmoid(logits)`` (or softmax); the choice adds ``bias [E]`` (``e_score_correction_bias``); with
     ``num_groups`` G > 1 only the ``topk_group`` groups with the largest sum of their top-2 choice scores compete;
     the weights are the unbiased scores of the chosen experts (in descending choice order), divided by their sum
-    (+1e-20) if ``renormalize`` and k > 1, times ``scaling``."""
+    (+1e-20) if ``renormalize`` and k > 1, times ``scaling`` (:func:`route_weights`)."""
     E = logits.shape[-1]
     scores = logits.sigmoid() if sigmoid else logits.softmax(-1)
     choice = scores + bias.float()
@@ -267,10 +337,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, num_grou
         gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~gmask.repeat_interleave(E // num_groups, dim=1), float("-inf"))
     idx = choice.topk(top_k, dim=-1).indices
-    w = scores.gather(1, idx)
-    if top_k > 1 and renormalize:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * scaling, idx
+    return route_weights(logits, idx, sigmoid=sigmoid, renormalize=renormalize, scaling=scaling), idx
 
 
 @use_experts_implementation
@@ -317,11 +384,13 @@ class KimiExperts(nn.Module):
 
 
 def grouped_experts_forward(experts: KimiExperts, x: torch.Tensor, topk_idx: torch.Tensor,
-                            topk_w: torch.Tensor) -> torch.Tensor:
+                            topk_w: torch.Tensor, adapters=None) -> torch.Tensor:
     """Routed experts with pairs sorted by expert (``"kimi_hybrid_grouped_mm"``): ``x [N, D]``, ``topk_idx`` /
     ``topk_w [N, k]`` -> ``[N, D]`` in x.dtype. Two grouped GEMMs on CUDA, the expert loop elsewhere
-    (:func:`_grouped_expert_mlp`); the routing weight and the sum over the k choices in fp32, as the official code
-    does. No host synchronisation on CUDA."""
+    (:func:`_grouped_expert_mlp`); each pair's routing weight multiplies its activation before the down projection,
+    and each token's k output rows are summed through a gather (:func:`combine_pairs`). ``adapters``: split LoRA
+    terms (see :func:`_grouped_expert_mlp`; :func:`~.lora_experts_kimi_hybrid.expert_adapters` finds PEFT's). No
+    host synchronisation on CUDA."""
     N, k = topk_idx.shape
     topk_idx, topk_w = experts.local_routes(topk_idx, topk_w)
     gate_up, down = experts.gate_up_proj, experts.down_proj  # read once: PEFT target_parameters adapts them here
@@ -330,17 +399,23 @@ def grouped_experts_forward(experts: KimiExperts, x: torch.Tensor, topk_idx: tor
     F_ = gate_up.shape[1] // 2
     flat = topk_idx.reshape(-1)
     order = flat.argsort(stable=True)
-    token_of = order // k
-    xs = x[token_of]
+    xs = x[order // k]
     # scatter_add, not bincount: bincount synchronises with the host on CUDA (it reads max()), which would break
     # CUDA-graph capture of a decode step
     counts = torch.zeros(experts.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
-    ys = _grouped_expert_mlp(experts.config, xs, gate_up, down, counts, F_)
-    ys = ys.float() * topk_w.reshape(-1)[order].unsqueeze(-1).float()
-    out = torch.zeros(N, x.shape[-1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, ys)
-    return out.to(x.dtype)
+    ys = _grouped_expert_mlp(experts.config, xs, gate_up, down, counts, F_, row_w=topk_w.reshape(-1)[order],
+                             adapters=adapters)
+    return combine_pairs(ys, order, k)
+
+
+def combine_pairs(ys: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's sum of its k expert rows: ``ys [N*k, D]`` (rows in expert order, ``order [N*k]`` the pair
+    index of each row, pair ``n*k + j`` = token n's j-th choice) -> ``[N, D]`` in ys.dtype. The inverse
+    permutation gathers every token's rows next to each other, then one reduction sums them (fp32 accumulation
+    inside the reduction on CUDA), so there is no atomic scatter and no fp32 buffer of the rows."""
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return ys.index_select(0, inv).view(-1, k, ys.shape[-1]).sum(1)
 
 
 def gemv_experts_forward(experts: KimiExperts, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -390,7 +465,7 @@ class KimiMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         _, w, idx = self.gate(flat)
         z = self.routed_expert_down_proj(flat) if self.latent else flat
-        y = self.experts(z, idx, w)
+        y = self._routed_experts(z, idx, w)
         if self.latent:
             if self.config.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
@@ -398,3 +473,14 @@ class KimiMoE(nn.Module):
         if self.config.num_shared_experts:
             y = y + self.shared_experts(flat)
         return y.view(shape)
+
+    def _routed_experts(self, z, idx, w):
+        """The routed experts on ``z [N, D_e]``: PEFT LoRA adapters on the expert weights (``target_parameters``)
+        as split low-rank products in the grouped path where :func:`expert_adapters` finds them and this model's
+        expert implementation runs; otherwise the module as it is (PEFT's own ``ParamWrapper`` forward)."""
+        found = expert_adapters(self.experts, KimiExperts)
+        impl = self.config._experts_implementation  # transformers' switch, as its ``use_experts_implementation``
+        if found is None or not any(found[1]) or impl not in (None, "eager", *EXPERTS_FUNCTIONS):
+            return self.experts(z, idx, w)
+        experts, adapters = found
+        return grouped_experts_forward(experts, z, idx, w, adapters=adapters)

@@ -564,15 +564,31 @@ def test_finetune_example_end_to_end(tmp_path):
 
 def test_bench_script_cpu_smoke(tmp_path):
     """examples/bench_lora.py on tiny widths: native kimi_linear and ours share weights (fp32 logits agree to 1e-4)
-    and both train a step with the same LoraConfig."""
+    and both train a step with the same LoraConfig; the summary holds the headline fields for both."""
     import bench_lora as b  # examples/ is on the test path (pyproject: [tool.pytest.ini_options] pythonpath)
     (tmp_path / "tiny.json").write_text(json.dumps(TINY_PRESETS["tiny-kda-first"]))
-    res = b.main(["--config", str(tmp_path / "tiny.json"), "--device", "cpu", "--seq-len", "16", "--steps", "1", "--warmup", "1",
-                  "--out", str(tmp_path / "b.json")])
+    res = b.main(["--config", str(tmp_path / "tiny.json"), "--layers", "4", "--device", "cpu", "--seq-len", "16",
+                  "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "b.json")])
     assert res["parity"]["max_abs_logit_diff"] <= 1e-4
     assert res["ours"]["trainable_params"] == res["native"]["trainable_params"] > 0
     assert abs(res["ours"]["first_loss"] - res["native"]["first_loss"]) <= 1e-4
-    assert json.loads((tmp_path / "b.json").read_text())["ours"]["tokens_per_s"] > 0
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["ours"]["tokens_per_s"] > 0
+    for field in ("lora_train_tok_s", "lora_first_step_s", "lora_step_s", "lora_train_peak_gib"):
+        assert set(saved["summary"][field]) == {"ours", "native"}
+    assert saved["summary"]["lora_train_tok_s"]["ours"] == saved["ours"]["tokens_per_s"]
+
+
+def test_bench_script_released_plan_tiny():
+    """--tiny at 27 layers runs the released plan (MLA at 3, 7, ..., 23, 26, dense layer 0) for both models."""
+    import bench_lora as b
+
+    res = b.main(["--tiny", "--device", "cpu", "--seq-len", "8", "--steps", "1", "--warmup", "1",
+                  "--models", "ours,native"])
+    assert res["setup"]["layer_plan"].startswith("released: 27 layers, MLA at [3, 7, 11, 15, 19, 23, 26], dense at "
+                                                 "[0]")
+    assert res["parity"]["max_abs_logit_diff"] <= 1e-4
+    assert res["summary"]["lora_step_s"]["ours"] > 0 and res["summary"]["lora_step_s"]["native"] > 0
 
 
 def test_merged_adapter_exports_to_released_layout(tmp_path):
@@ -614,3 +630,18 @@ def test_attn_res_projection_would_be_bypassed():
                                                                      "output_attn_res_proj"]))
     with torch.no_grad():
         assert pm(input_ids=x).logits.shape == want.shape
+
+
+def test_autotune_results_are_counted_and_cpu_models_get_no_notice(tmp_path, monkeypatch):
+    """triton_autotune_results counts *.autotune.json below TRITON_CACHE_DIR; a CPU model never gets the
+    cold-autotune notice (there is no Triton kernel to tune)."""
+    from kimi_hybrid.app.lora import notice_cold_autotune, triton_autotune_results
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_autotune_results() == 0
+    (tmp_path / "ab12").mkdir()
+    (tmp_path / "ab12" / "chunk_kda_bwd.autotune.json").write_text("{}")
+    (tmp_path / "ab12" / "chunk_kda_bwd.json").write_text("{}")
+    assert triton_autotune_results() == 1
+    assert triton_autotune_results(str(tmp_path / "missing")) == 0
+    assert notice_cold_autotune(tiny()) is False
