@@ -121,6 +121,21 @@ def test_mla_decode_split_kv_in_the_interpreter():
         assert same_shape and row_invariant and err < 1e-5
 
 
+def test_mla_decode_dispatch_threshold():
+    """Below MIN_KERNEL_KEYS keys the kernel declines (attend_latent keeps the faster torch path); min_keys=0 asks
+    about validity only, and an invalid shape is declined either way."""
+    import torch
+
+    from kimi_hybrid.kernels.mla_decode import MIN_KERNEL_KEYS, latent_decode_supports
+
+    q = torch.zeros(1, 32, 576)
+    short, long = torch.zeros(1, MIN_KERNEL_KEYS - 1, 576), torch.zeros(1, MIN_KERNEL_KEYS, 576)
+    assert not latent_decode_supports(q, short, 512, None, 32)
+    assert latent_decode_supports(q, short, 512, None, 32, min_keys=0)
+    assert latent_decode_supports(q, long, 512, None, 32)
+    assert not latent_decode_supports(q, long[..., :575], 512, None, 32)
+
+
 ROUTING = r"""
 from kimi_hybrid.kernels.moe_decode import naive_route_topk, route_topk_triton
 out = []
