@@ -95,7 +95,8 @@ MLA_DECODE = r"""
 from kimi_hybrid.kernels.mla_decode import latent_decode_attention, naive_latent_decode
 out = []
 for (B, T, H, R, P, S, splits, masked) in [(1, 1, 4, 32, 16, 50, 3, False), (2, 2, 3, 32, 16, 37, 2, True),
-                                          (3, 1, 2, 16, 16, 20, None, True), (1, 1, 16, 64, 16, 7, 4, False)]:
+                                          (3, 1, 2, 16, 16, 20, None, True), (1, 1, 16, 64, 16, 7, 4, False),
+                                          (2, 1, 3, 16, 16, 601, None, True)]:
     g = torch.Generator().manual_seed(S)
     q = torch.randn(B, T * H, R + P, generator=g)
     lat = torch.randn(B, S + 3, R + P, generator=g)[:, :S]  # a static buffer's prefix: strided batch
@@ -116,9 +117,25 @@ print(json.dumps(out))
 
 def test_mla_decode_split_kv_in_the_interpreter():
     """Splits of one or two key tiles with a partial last split, key padding, bottom-right causal T = 2, rows
-    fewer than a row block, a strided latent; a row alone == the same row in its batch."""
+    fewer than a row block, a strided latent, the default split count over several splits (601 keys: 3 splits of
+    256); a row alone == the same row in its batch."""
     for err, same_shape, row_invariant in run_interpreted(MLA_DECODE):
         assert same_shape and row_invariant and err < 1e-5
+
+
+def test_mla_decode_dispatch_threshold():
+    """Below MIN_KERNEL_KEYS keys the kernel declines (attend_latent keeps the faster torch path); min_keys=0 asks
+    about validity only, and an invalid shape is declined either way."""
+    import torch
+
+    from kimi_hybrid.kernels.mla_decode import MIN_KERNEL_KEYS, latent_decode_supports
+
+    q = torch.zeros(1, 32, 576)
+    short, long = torch.zeros(1, MIN_KERNEL_KEYS - 1, 576), torch.zeros(1, MIN_KERNEL_KEYS, 576)
+    assert not latent_decode_supports(q, short, 512, None, 32)
+    assert latent_decode_supports(q, short, 512, None, 32, min_keys=0)
+    assert latent_decode_supports(q, long, 512, None, 32)
+    assert not latent_decode_supports(q, long[..., :575], 512, None, 32)
 
 
 ROUTING = r"""

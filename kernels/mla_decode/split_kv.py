@@ -21,9 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["latent_decode_attention", "latent_decode_supports", "default_num_splits"]
+__all__ = ["latent_decode_attention", "latent_decode_supports", "default_num_splits", "MIN_KERNEL_KEYS"]
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its keys
+SPLITS_PER_SM = 2  # H200, B1 1M: 2 x SMs splits 476 us (2.54 TB/s) vs 1 x 853 us and 4 x 541 us (bench mla_sweep)
+# Below this many keys per sequence the torch path is measured faster (H200 bf16: B1 S4096 15.5 us vs 32.9 us,
+# B32 S4096 115 vs 138 us; B1 S131072 137 vs 128 us, 94 us with the current tiles): attend_latent keeps torch there.
+# bench_kernels mla_decode times B1 at 16K / 32K to refine the crossover.
+MIN_KERNEL_KEYS = 16384
 
 
 @triton.jit
@@ -105,18 +110,22 @@ def _latent_merge_kernel(o_ptr, lse_ptr, out_ptr, M, n_splits, s_ob, s_om, s_os,
 
 
 def default_num_splits(S: int, device: torch.device) -> int:
-    """Splits of the key axis: one per SM at long contexts (``S >= SMs * MIN_KEYS_PER_SPLIT``), fewer below so each
-    split keeps at least ``MIN_KEYS_PER_SPLIT`` keys. Depends on S and the device only, never on the batch, so a row
-    gives the same bits alone or in a batch."""
+    """Splits of the key axis: ``SPLITS_PER_SM`` per SM at long contexts (two resident programs per SM hide each
+    other's load latency), fewer below so each split keeps at least ``MIN_KEYS_PER_SPLIT`` keys. Depends on S and the
+    device only, never on the batch, so a row gives the same bits alone or in a batch."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(sms, triton.cdiv(S, MIN_KEYS_PER_SPLIT)))
+    return max(1, min(SPLITS_PER_SM * sms, triton.cdiv(S, MIN_KEYS_PER_SPLIT)))
 
 
 def latent_decode_supports(q: torch.Tensor, latent: torch.Tensor, kv_lora_rank: int,
-                           attn_mask: Optional[torch.Tensor] = None, num_heads: int = 1) -> bool:
-    """Whether :func:`latent_decode_attention` serves these inputs: ``q [B, T*H, D]`` and ``latent [B, S, D]`` of
-    one float dtype with ``kv_lora_rank`` and the rope width powers of two >= 16, the latent's last dim contiguous,
-    and ``attn_mask`` None or bool ``[B | 1, 1, T, S]``."""
+                           attn_mask: Optional[torch.Tensor] = None, num_heads: int = 1, *,
+                           min_keys: int = MIN_KERNEL_KEYS) -> bool:
+    """Whether :func:`latent_decode_attention` serves these inputs and should be used: ``q [B, T*H, D]`` and
+    ``latent [B, S, D]`` of one float dtype with ``kv_lora_rank`` and the rope width powers of two >= 16, the
+    latent's last dim contiguous, ``attn_mask`` None or bool ``[B | 1, 1, T, S]``, and ``S >= min_keys`` (default
+    :data:`MIN_KERNEL_KEYS`, below which the torch path is faster; ``min_keys=0`` asks about validity only)."""
+    if latent.dim() == 3 and latent.shape[1] < min_keys:
+        return False
     if q.dim() != 3 or latent.dim() != 3 or q.shape[0] != latent.shape[0] or q.shape[1] % num_heads:
         return False
     rope = latent.shape[-1] - kv_lora_rank
@@ -132,7 +141,7 @@ def latent_decode_supports(q: torch.Tensor, latent: torch.Tensor, kv_lora_rank: 
 
 def latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, attn_mask: Optional[torch.Tensor], *,
                             num_heads: int, kv_lora_rank: int, scaling: float, num_splits: Optional[int] = None,
-                            block_h: int = 32, block_n: int = 32, num_warps: int = 8,
+                            block_h: int = 32, block_n: int = 32, num_warps: int = 4,
                             num_stages: int = 2) -> torch.Tensor:
     """Softmax attention of absorbed queries against the cached latents, split over the key axis.
 
@@ -148,13 +157,13 @@ def latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, attn_mask: Op
         softmax and accumulation. No host synchronisation (CUDA-graph safe).
 
     Raises:
-        ValueError: shapes or dtypes it does not serve (see :func:`latent_decode_supports`), or a mask of another
-        shape.
+        ValueError: shapes or dtypes it does not serve (see :func:`latent_decode_supports` with ``min_keys=0``), or a
+        mask of another shape.
     """
     B, M, D = q.shape
     S = latent.shape[1]
     R = kv_lora_rank
-    if not latent_decode_supports(q, latent, R, attn_mask, num_heads):
+    if not latent_decode_supports(q, latent, R, attn_mask, num_heads, min_keys=0):
         raise ValueError(f"latent_decode_attention: q {tuple(q.shape)} {q.dtype}, latent {tuple(latent.shape)} "
                          f"{latent.dtype}, kv_lora_rank {R}, {num_heads} heads, mask "
                          f"{None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)}: needs q "

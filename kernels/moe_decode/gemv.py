@@ -83,13 +83,11 @@ class GemvConfig:
     num_stages: int = 3
 
 
-# by the number of token-expert pairs (the first row whose bound is >= pairs): starting points chosen for
-# bandwidth (>= 1,000 programs at batch 1 on the 48B-A3B widths); `python -m kimi_hybrid.kernels.bench_kernels
-# --sections moe_gemv_sweep` measures the alternatives on the device
+# by the number of token-expert pairs (the first row whose bound is >= pairs). Measured on one H200 (bench_kernels
+# moe_gemv_sweep, 48B-A3B widths): (8, 256, 16, 256, 4 warps, 4 stages) was the fastest of the sweep at batch 1,
+# 4 and 32 alike (B1 39.9 us, B4 114 us, B32 616 us); the larger-pair rows keep it until a sweep says otherwise
 GEMV_CONFIGS = (
-    (8, GemvConfig(gate_up_n=8, gate_up_k=512, down_n=16, down_k=512)),
-    (64, GemvConfig(gate_up_n=16, gate_up_k=256, down_n=16, down_k=512)),
-    (1 << 30, GemvConfig(gate_up_n=32, gate_up_k=256, down_n=32, down_k=256)),
+    (1 << 30, GemvConfig(gate_up_n=8, gate_up_k=256, down_n=16, down_k=256, num_warps=4, num_stages=4)),
 )
 
 

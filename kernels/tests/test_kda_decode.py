@@ -71,7 +71,7 @@ def _step_inputs(B, H, K, W, dtype, seed=0, lower_bound=None, masked=False):
 
 
 @needs_cuda
-@pytest.mark.parametrize("B", [1, 2, 7, 32])
+@pytest.mark.parametrize("B", [1, 7, 32])
 @pytest.mark.parametrize("H,K,W", [(32, 128, 4), (3, 48, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lower_bound,masked", [(None, False), (-5.0, True)])

@@ -35,10 +35,13 @@ def _inputs(B, T, S, dtype, seed=0, pad_rows=False, spare=0):
     return q, latent, mask
 
 
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
 @needs_cuda
-@pytest.mark.parametrize("B,T,S", [(1, 1, 1), (1, 1, 100), (2, 1, 4097), (1, 2, 33000), (3, 1, 131072),
-                                   (32, 1, 4096), (5, 3, 999)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,T,S,dtype", [(1, 1, 1, BF16), (1, 1, 100, BF16), (2, 1, 4097, BF16), (1, 2, 33000, BF16),
+                                         (3, 1, 131072, BF16), (32, 1, 4096, BF16), (5, 3, 999, BF16),
+                                         (1, 1, 1, FP32), (2, 1, 4097, FP32), (1, 2, 33000, FP32), (5, 3, 999, FP32)])
 def test_latent_decode_vs_naive(B, T, S, dtype):
     q, latent, mask = _inputs(B, T, S, dtype, seed=S, pad_rows=B > 1, spare=7)
     kw = dict(num_heads=H, kv_lora_rank=R, scaling=0.07)
@@ -78,7 +81,7 @@ def test_latent_decode_rows_are_independent(dtype):
 def test_attend_latent_dispatches_to_the_kernel_and_is_graph_capturable(monkeypatch):
     """``mla_kimi_hybrid.attend_latent`` on CUDA uses the kernel and agrees with its torch path (bf16 1e-2); one
     CUDA-graph replay gives the eager result bit for bit."""
-    B, T, S, nope, dv = 2, 1, 3000, 128, 128
+    B, T, S, nope, dv = 2, 1, 20000, 128, 128
     g = torch.Generator(device="cuda").manual_seed(4)
     q = torch.randn(B, T, H, nope + P, device="cuda", generator=g).bfloat16()
     latent = torch.randn(B, S, R + P, device="cuda", generator=g).bfloat16()
@@ -88,7 +91,9 @@ def test_attend_latent_dispatches_to_the_kernel_and_is_graph_capturable(monkeypa
     monkeypatch.setattr(mla, "load_kernel", lambda op: used.append(real(op)) or used[-1])
     with torch.no_grad():
         got = mla.attend_latent(q, latent, w, None, **kw)
-        assert used and used[-1] is not None  # the kernel package was found and used
+        assert used and used[-1] is not None  # the kernel package was found
+        absorbed = torch.empty(B, T * H, R + P, device="cuda", dtype=latent.dtype)
+        assert used[-1].latent_decode_supports(absorbed, latent, R, None, H)  # ... and S is above its threshold
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = mla.attend_latent(q, latent, w, None, **kw)

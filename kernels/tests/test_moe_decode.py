@@ -37,7 +37,7 @@ def _routes(N, E, k, D, dtype, seed=0):
 
 
 @needs_cuda
-@pytest.mark.parametrize("N", [1, 2, 3, 4, 7, 32])
+@pytest.mark.parametrize("N", [1, 3, 32])
 @pytest.mark.parametrize("E,k,D,F_", [(64, 8, 256, 96), (16, 3, 200, 72)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_moe_decode_gemv_vs_naive(N, E, k, D, F_, dtype, tol):
