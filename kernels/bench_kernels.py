@@ -163,14 +163,14 @@ def bench_mla_sweep(ctx: dict) -> List[dict]:
         make = lambda i, S=S: _mla_inputs(1, S, i)  # noqa: E731
         n = sets_for(_mla_bytes(1, S))
         for splits in (sms, 2 * sms, 3 * sms, 4 * sms):
-            for block_n, stages, warps in ((32, 2, 4), (64, 2, 4), (64, 3, 4), (32, 3, 4), (64, 2, 8)):
+            for block_n, stages, warps in ((64, 3, 4), (64, 2, 4), (32, 3, 4), (64, 4, 4), (128, 2, 4), (64, 3, 8)):
                 fn = lambda q, lat, s=splits, bn=block_n, st=stages, w=warps: latent_decode_attention(  # noqa: E731
                     q, lat, None, num_splits=s, block_n=bn, num_stages=st, num_warps=w, **kw)
                 try:
                     t = time_per_call(make, fn, n, reps=10, replays=3)
                     rows.append(row(ctx, f"S{S} splits{splits} BN{block_n} stages{stages} warps{warps}", t,
                                     _mla_bytes(1, S), default=splits == default_num_splits(S, torch.device("cuda"))
-                                    and (block_n, stages, warps) == (32, 2, 4)))
+                                    and (block_n, stages, warps) == (64, 3, 4)))
                 except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory): recorded
                     rows.append({"case": f"S{S} splits{splits} BN{block_n} stages{stages} warps{warps}",
                                  "error": f"{type(e).__name__}: {str(e)[:120]}"})

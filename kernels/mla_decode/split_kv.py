@@ -24,7 +24,9 @@ import triton.language as tl
 __all__ = ["latent_decode_attention", "latent_decode_supports", "default_num_splits", "MIN_KERNEL_KEYS"]
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) outweighs its keys
-SPLITS_PER_SM = 2  # H200, B1 1M: 2 x SMs splits 476 us (2.54 TB/s) vs 1 x 853 us and 4 x 541 us (bench mla_sweep)
+# H200, B1 1M, bf16 (bench mla_sweep at 8f32d88): one split per SM with 64-key tiles, 3 stages, 4 warps 338 us
+# (3.57 TB/s, 0.85 of the copy bandwidth); 2 x SMs 375 us; 32-key tiles 404-621 us
+SPLITS_PER_SM = 1
 # Below this many keys per sequence the torch path is measured faster (H200 bf16: B1 S4096 15.5 us vs 32.9 us,
 # B32 S4096 115 vs 138 us; B1 S131072 137 vs 128 us, 94 us with the current tiles): attend_latent keeps torch there.
 # bench_kernels mla_decode times B1 at 16K / 32K to refine the crossover.
@@ -110,8 +112,8 @@ def _latent_merge_kernel(o_ptr, lse_ptr, out_ptr, M, n_splits, s_ob, s_om, s_os,
 
 
 def default_num_splits(S: int, device: torch.device) -> int:
-    """Splits of the key axis: ``SPLITS_PER_SM`` per SM at long contexts (two resident programs per SM hide each
-    other's load latency), fewer below so each split keeps at least ``MIN_KEYS_PER_SPLIT`` keys. Depends on S and the
+    """Splits of the key axis: ``SPLITS_PER_SM`` per SM at long contexts (the pipelined 64-key tiles keep one
+    program per SM busy), fewer below so each split keeps at least ``MIN_KEYS_PER_SPLIT`` keys. Depends on S and the
     device only, never on the batch, so a row gives the same bits alone or in a batch."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     return max(1, min(SPLITS_PER_SM * sms, triton.cdiv(S, MIN_KEYS_PER_SPLIT)))
@@ -141,8 +143,8 @@ def latent_decode_supports(q: torch.Tensor, latent: torch.Tensor, kv_lora_rank: 
 
 def latent_decode_attention(q: torch.Tensor, latent: torch.Tensor, attn_mask: Optional[torch.Tensor], *,
                             num_heads: int, kv_lora_rank: int, scaling: float, num_splits: Optional[int] = None,
-                            block_h: int = 32, block_n: int = 32, num_warps: int = 4,
-                            num_stages: int = 2) -> torch.Tensor:
+                            block_h: int = 32, block_n: int = 64, num_warps: int = 4,
+                            num_stages: int = 3) -> torch.Tensor:
     """Softmax attention of absorbed queries against the cached latents, split over the key axis.
 
     Args:
