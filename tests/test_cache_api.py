@@ -455,7 +455,8 @@ def test_cuda_memory_report_equals_storage_after_long_prefill(preset):
     m = _cuda_model(preset)
     H, K, W, Dl = _dims(m.config)
     with torch.no_grad():
-        c = m(rand_ids(1, 1024, seed=61).cuda(), use_cache=True, logits_to_keep=1).past_key_values
+        c = KimiHybridCache(m.config)
+        m(rand_ids(1, 1024, seed=61).cuda(), past_key_values=c, use_cache=True, logits_to_keep=1)
         m(rand_ids(1, 1, seed=62).cuda(), past_key_values=c)
     for layer in c.layers:
         for t in layer_tensors(layer).values():

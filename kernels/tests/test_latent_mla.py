@@ -103,7 +103,11 @@ def test_expert_implementations_are_registered_with_transformers(impl):
     ``ExpertsInterface``) and give the default's logits (on CPU both run the expert loop)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    assert ALL_EXPERTS_FUNCTIONS[impl] is moe.EXPERTS_FUNCTIONS[impl]
+    registered, ours = ALL_EXPERTS_FUNCTIONS[impl], moe.EXPERTS_FUNCTIONS[impl]
+    # (the same function, or its copy from a Hub bundle of this code loaded earlier in the process, which registers
+    # its own module's functions under the same names)
+    assert registered.__qualname__ == ours.__qualname__
+    assert registered.__module__.rsplit(".", 1)[-1] == ours.__module__.rsplit(".", 1)[-1] == "moe_kimi_hybrid"
     cfg = preset_config("tiny-kda-first")
     torch.manual_seed(0)
     ref = KimiHybridForCausalLM(cfg).eval()
