@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache, DynamicLayer, LinearAttentionLayer,
                                       StaticCache, StaticLayer)
 
-from kimi_hybrid import KimiHybridCache, KimiHybridConfig, KimiHybridForCausalLM
+from kimi_hybrid import KimiHybridCache, KimiHybridForCausalLM
 from kimi_hybrid.cache_kimi_hybrid import (DynamicMLALayer, KimiHybridDynamicCache, KimiHybridStaticCache,
                                            StaticMLALayer, kda_store, layer_tensors)
 
