@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -1109,6 +1110,7 @@ def _quiet_broken_pipe() -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     """The ``kimi-hybrid`` command. Returns the exit status: 0, 1 (a user error, one ``kimi-hybrid: ...`` line on
     stderr, raised as SystemExit), 130 (Ctrl-C, one line) or 141 (stdout closed by its reader, silent)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (the start-up handler of kimi_hybrid/__init__)
     try:
         args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
         check_args(args)

@@ -5,9 +5,29 @@ with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM`` (and the tokeniz
 is present), so ``from_pretrained`` works without ``trust_remote_code`` once the package is installed.
 """
 
-from .cache_kimi_hybrid import KimiHybridCache
-from .configuration_kimi_hybrid import KimiHybridConfig
-from .modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridModel, KimiHybridPreTrainedModel
+import os as _os
+import sys as _sys
+
+
+def _quiet_interrupt_while_starting() -> None:
+    """For the ``kimi-hybrid`` / ``kimi-hybrid-convert`` commands only: Ctrl-C while the heavy imports below run
+    (torch, transformers: seconds) ends with one line and status 130 instead of an import traceback. The command's
+    ``main`` puts Python's own handler back first thing."""
+    import signal
+
+    def stop(signum, frame):
+        _sys.stderr.write(f"\n{_os.path.basename(_sys.argv[0])}: interrupted\n")
+        _os._exit(130)
+
+    signal.signal(signal.SIGINT, stop)
+
+
+if _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("kimi-hybrid", "kimi-hybrid-convert"):
+    _quiet_interrupt_while_starting()
+
+from .cache_kimi_hybrid import KimiHybridCache  # noqa: E402
+from .configuration_kimi_hybrid import KimiHybridConfig  # noqa: E402
+from .modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridModel, KimiHybridPreTrainedModel  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -324,6 +324,28 @@ def _replace_cache(result: Any, work: Callable[[Any], bool], origin: KimiHybridC
     return result
 
 
+def check_mask_length(ids: torch.Tensor, kwargs: dict) -> None:
+    """Refuse a 2-D ``attention_mask`` whose shape is neither the ids' ``[B, T]`` nor, with a filled
+    :class:`KimiHybridCache` of P tokens, the whole sequence's ``[B, P + T]`` (checked here: transformers >= 5.24 drops an all-ones mask before the
+    forward could see its length).
+
+    Raises:
+        ValueError: the mask's shape fits neither form.
+    """
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
+    if cache is not None and not isinstance(cache, KimiHybridCache):
+        return  # (a transformers cache of linear layers reports no length: the forward checks what it can)
+    held = cache.get_seq_length() if cache is not None else 0
+    B, T = ids.shape
+    if mask.shape[0] != B or mask.shape[1] not in (T, held + T):
+        forms = f"[{B}, {T}]" + (f" or, with the {held} cached tokens, [{B}, {held + T}]" if held else "")
+        raise ValueError(f"generate: attention_mask has shape {tuple(mask.shape)} but the input ids {(B, T)}; pass "
+                         f"a mask of shape {forms} (1 = token, 0 = pad)")
+
+
 def check_cache_extends(model, args: tuple, kwargs: dict) -> None:
     """Refuse a ``generate`` call whose filled :class:`KimiHybridCache` is not extended by its input: the ids (or
     embeddings) must be the sequence the cache holds plus at least one new token. One host read of the cache's
@@ -358,6 +380,7 @@ def generate_with_graphs(model, generate: Callable, args: tuple, kwargs: dict, c
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and not prompt.is_floating_point():
         model.get_decoder().check_input_ids(prompt)  # once per call: decode steps read no ids back to the host
+        check_mask_length(prompt, kwargs)
     if cuda_graphs is None:
         gc = kwargs.get("generation_config")
         cuda_graphs = getattr(gc, "cuda_graphs", None) if gc is not None else None

@@ -325,3 +325,24 @@ def test_users_get_the_clis_memory_table(released, capsys):
     # 5 prompt tokens + 2 of the 3 new ones (the last is not fed back)
     assert out.startswith("cache memory (KimiHybridCache.memory_report): 7 tokens, batch 1")
     assert cli.format_memory_report is format_memory_report
+
+
+@pytest.mark.parametrize("command", ["kimi-hybrid", "kimi-hybrid-convert"])
+def test_ctrl_c_during_start_up_is_one_line(command):
+    """Ctrl-C while the commands import torch / transformers (the first seconds) ends with one line and status 130,
+    no traceback (issue 25 item 12). The console scripts are the installed ones beside this interpreter."""
+    import signal
+
+    script = Path(sys.executable).parent / command
+    if not script.exists():
+        pytest.skip(f"{command} is not installed beside {sys.executable} (pip install -e . creates it)")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    args = ["generate", "--prompt", "def f(", "--max-new-tokens", "400"] if command == "kimi-hybrid" else \
+        ["inventory", "--preset", "kimi-linear-48b-a3b"]
+    p = subprocess.Popen([str(script), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    time.sleep(1.0)  # inside the imports (torch alone takes longer), or at worst in the command itself
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err, err[-2000:]

@@ -87,3 +87,15 @@ def test_packed_documents_batch_composition_bound(name):
                 after = m(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 16, n + 16])).logits[0, :16]
                 worst = max(worst, (before - alone).abs().max().item(), (after - alone).abs().max().item())
     assert 0.0 <= worst <= PACKED_BOUND, worst
+
+
+@pytest.mark.parametrize("extra", [2, -2])
+def test_generate_refuses_a_mask_of_another_length_even_all_ones(extra):
+    """generate checks the mask's length itself: transformers >= 5.24 drops an all-ones mask before the forward
+    could see a wrong length (issue 25 item 12). A mask of the ids' shape generates as before."""
+    m = _model()
+    ids = torch.randint(3, m.config.vocab_size, (1, 8))
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        m.generate(ids, attention_mask=torch.ones(1, 8 + extra, dtype=torch.long), max_new_tokens=2, do_sample=False)
+    out = m.generate(ids, attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 10) and torch.equal(out[:, :8], ids)
