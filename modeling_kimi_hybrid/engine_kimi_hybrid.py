@@ -342,8 +342,8 @@ def check_mask_length(ids: torch.Tensor, kwargs: dict) -> None:
     B, T = ids.shape
     if mask.shape[0] != B or mask.shape[1] not in (T, held + T):
         forms = f"[{B}, {T}]" + (f" or, with the {held} cached tokens, [{B}, {held + T}]" if held else "")
-        raise ValueError(f"generate: attention_mask has shape {tuple(mask.shape)} but the input ids {(B, T)}; pass "
-                         f"a mask of shape {forms} (1 = token, 0 = pad)")
+        raise ValueError(f"generate: attention_mask has shape {tuple(mask.shape)} but the input ids {(B, T)}; it "
+                         f"needs one 0/1 column per input token and the input's batch: shape {forms}")
 
 
 def check_cache_extends(model, args: tuple, kwargs: dict) -> None:
